@@ -1,0 +1,200 @@
+"""The run config: everything one sweep cell (one GRPO run) needs, as typed, validated dataclasses.
+
+A run config file is YAML with these sections; `load_run_config(path, overrides)` applies dotted
+CLI overrides (`loss.importance_sampling=token seed=1`) and validates. The cell id of a sweep is
+`run_config_hash(cfg)`: the hash of the resolved config minus where-to-write fields (HASH_EXCLUDE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from fp8rl_core.recipes import RECIPES
+from fp8rl_core.schema import ConfigError, build, fail, get_dotted, parse_override, set_dotted, stable_hash, to_dict
+
+ISVariant = Literal["none", "token", "tis", "icepop", "sequence"]
+
+
+@dataclass
+class ModelSpec:
+    preset: str = "tiny"  # a built-in preset (fp8rl_core.model.config.PRESETS); ignored when `path` is set
+    path: str | None = None  # local HF checkpoint folder (config.json + *.safetensors)
+    dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of the BF16 parts: attention, norms, embeddings, head
+
+
+@dataclass
+class Fp8Spec:
+    power_of_two_scales: bool = False  # round scales up to 2^k (Transformer Engine's default)
+    bf16_first_layers: int = 0  # keep the first N transformer blocks' linears in BF16
+    bf16_last_layers: int = 0  # keep the last N blocks' linears in BF16
+    check_finite: bool = True  # raise on NaN/inf before quantizing (costs one reduction per tensor)
+
+    def validate(self) -> None:
+        if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
+            fail("bf16_first_layers", "must be >= 0")
+
+
+@dataclass
+class TaskSpec:
+    name: Literal["arithmetic", "jsonl"] = "arithmetic"
+    digits: int = 3  # arithmetic: max digits per operand
+    min_digits: int = 1
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+    val_size: int = 128  # held-out prompts, disjoint from training prompts
+    data_seed: int = 1234  # the task's data is fixed across cells (seed varies the run, not the data)
+    train_path: str | None = None  # jsonl: {"prompt": ..., "answer": ...} per line
+    val_path: str | None = None
+    answer_type: Literal["auto", "numeric", "string"] = "auto"
+
+    def validate(self) -> None:
+        if not 1 <= self.min_digits <= self.digits <= 9:
+            fail("digits", f"need 1 <= min_digits <= digits <= 9, got {self.min_digits}..{self.digits}")
+        bad = [op for op in self.operators if op not in ("+", "-", "*")]
+        if bad or not self.operators:
+            fail("operators", f"{bad or 'empty'} not allowed", "+, -, *")
+        if self.name == "jsonl" and not self.train_path:
+            fail("train_path", "required when name is jsonl")
+
+
+@dataclass
+class WarmStartSpec:
+    steps: int = 300  # supervised steps on the task before RL (0: start from the model as loaded)
+    batch_size: int = 64
+    lr: float = 1e-3
+    cache_dir: str = ".fp8rl/warmstart"  # keyed by a hash of (model, task, warmstart) config
+
+
+@dataclass
+class RolloutSpec:
+    prompts_per_step: int = 16  # P
+    samples_per_prompt: int = 8  # G
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+
+    def validate(self) -> None:
+        if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
+            fail("prompts_per_step", "prompts_per_step, samples_per_prompt, max_new_tokens must be >= 1")
+        if self.temperature <= 0:
+            fail("temperature", "must be > 0 (greedy decoding is for validation only)")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class LossSpec:
+    importance_sampling: ISVariant = "none"
+    is_cap: float = 2.0  # tis: w <- min(w, cap)
+    is_low: float = 0.5  # icepop: keep tokens with low <= w <= high
+    is_high: float = 5.0
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy
+    kl_clamp: float = 10.0  # clamp of the per-token log-ratio inside k3
+
+    def validate(self) -> None:
+        if self.is_cap <= 0 or not 0 <= self.is_low <= self.is_high:
+            fail("is_cap", "need is_cap > 0 and 0 <= is_low <= is_high")
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    micro_steps: int = 1  # optimizer steps per rollout batch (>1 makes later steps off-policy)
+
+
+@dataclass
+class TrainSpec:
+    steps: int = 60  # RL steps (rollout batches)
+    val_every: int = 5  # validation accuracy (greedy) every K steps, and at step 0 and the last step
+    checkpoint_every: int = 10
+
+
+@dataclass
+class EngineSpec:
+    generation: Literal["native", "vllm"] = "native"
+    training: Literal["native", "megatron"] = "native"
+
+
+@dataclass
+class TrackingSpec:
+    uri: str | None = None  # MLflow tracking URI; None: local JSONL sink only
+    experiment: str = "fp8rl"
+    run_id: str | None = None  # set by the sweep driver: the cell's MLflow run
+    parent_run_id: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunConfig:
+    recipe: str = "bf16"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = 0  # torch intra-op threads (0: torch's default)
+    output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, logs of this run
+    model: ModelSpec = field(default_factory=ModelSpec)
+    fp8: Fp8Spec = field(default_factory=Fp8Spec)
+    task: TaskSpec = field(default_factory=TaskSpec)
+    warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    loss: LossSpec = field(default_factory=LossSpec)
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    engines: EngineSpec = field(default_factory=EngineSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+
+    def validate(self) -> None:
+        if self.recipe not in RECIPES:
+            fail("recipe", f"unknown recipe {self.recipe!r}", ", ".join(RECIPES))
+
+
+# Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
+HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir")
+
+
+def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
+    return build(RunConfig, data or {}, where=where)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], where: str = "command line") -> dict[str, Any]:
+    """Return a copy of `data` with `key=value` overrides applied (values parsed as YAML)."""
+    out = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for text in overrides:
+        try:
+            key, value = parse_override(text)
+        except ConfigError as e:
+            raise e.located(where) from None
+        set_dotted(out, key, value)
+    return out
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Load a YAML run config (or the defaults when path is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    where = str(path) if path else "defaults"
+    if path:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ConfigError("", f"expected a mapping at the top level, got {type(data).__name__}", where=where)
+    data = apply_overrides(data, list(overrides))
+    return run_config_from_dict(data, where=where if not overrides else f"{where} + overrides")
+
+
+def run_config_hash(cfg: RunConfig, length: int = 12) -> str:
+    """Stable id of what a run computes (HASH_EXCLUDE removed)."""
+    data = to_dict(cfg)
+    for key in HASH_EXCLUDE:
+        parent, _, leaf = key.rpartition(".")
+        node = get_dotted(data, parent) if parent else data
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return stable_hash(data, length)

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite, services included (the README's second command; CI runs it).
+#   bash scripts/test.sh [pytest args...]
+# Starts the local SLURM cluster when this machine can host it (root + apt), which the `slurm` tests
+# need; without it they skip unless FP8RL_REQUIRE_SLURM=1 (CI sets it). The MLflow-server tests start
+# their own server on 127.0.0.1.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+if [ "${FP8RL_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  bash scripts/slurm/cluster.sh up || { echo "SLURM cluster failed to start" >&2; [ "${FP8RL_REQUIRE_SLURM:-0}" = 1 ] && exit 1; }
+fi
+set +e
+python -m pytest "$@"
+rc=$?
+set -e
+# pytest exits 5 when it collected no test: that is a broken suite, not a pass.
+if [ $rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi
+exit $rc
