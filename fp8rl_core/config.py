@@ -24,6 +24,12 @@ class ModelSpec:
     path: str | None = None  # local HF checkpoint folder (config.json + *.safetensors)
     dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of the BF16 parts: attention, norms, embeddings, head
 
+    def validate(self) -> None:
+        from fp8rl_core.model.config import PRESETS
+
+        if self.path is None and self.preset not in PRESETS:
+            fail("preset", f"unknown preset {self.preset!r}", ", ".join(PRESETS))
+
 
 @dataclass
 class Fp8Spec:
@@ -48,10 +54,18 @@ class TaskSpec:
     train_path: str | None = None  # jsonl: {"prompt": ..., "answer": ...} per line
     val_path: str | None = None
     answer_type: Literal["auto", "numeric", "string"] = "auto"
+    # arithmetic warm start: operands of at most this many digits (None: `digits`), except for a
+    # `warmstart_full_fraction` of examples drawn from the RL distribution (fp8rl_core/tasks/arithmetic.py)
+    warmstart_digits: int | None = None
+    warmstart_full_fraction: float = 0.0
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.digits <= 9:
             fail("digits", f"need 1 <= min_digits <= digits <= 9, got {self.min_digits}..{self.digits}")
+        if self.warmstart_digits is not None and not self.min_digits <= self.warmstart_digits <= self.digits:
+            fail("warmstart_digits", f"need min_digits <= warmstart_digits <= digits, got {self.warmstart_digits}")
+        if not 0.0 <= self.warmstart_full_fraction <= 1.0:
+            fail("warmstart_full_fraction", f"must be in [0, 1], got {self.warmstart_full_fraction}")
         bad = [op for op in self.operators if op not in ("+", "-", "*")]
         if bad or not self.operators:
             fail("operators", f"{bad or 'empty'} not allowed", "+, -, *")

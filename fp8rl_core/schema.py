@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import json
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
+
+
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 
 class ConfigError(ValueError):
@@ -82,6 +86,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        return float(value)  # PyYAML (YAML 1.1) reads `3e-4` as a string; it is plainly a number
     if tp is bool and not isinstance(value, bool):
         fail(key, f"expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):

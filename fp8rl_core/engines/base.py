@@ -39,6 +39,8 @@ class GenerationOutput:
 
 
 class GenerationEngine(Protocol):
+    generator: torch.Generator  # the sampling stream; checkpointed so that a resumed run samples the same
+
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load trainer weights (HF state_dict names); FP8 recipes quantize linears [128,128] here, once."""
 

@@ -44,6 +44,14 @@ class ModelConfig:
             kw["eos_token_id"] = kw["eos_token_id"][0]
         if data.get("model_type") == "qwen2" and "attention_bias" not in data:
             kw["attention_bias"] = True
+        # transformers >= 5 writes `rope_parameters: {rope_theta, rope_type}` instead of `rope_theta`;
+        # older configs may carry `rope_scaling`. Only plain RoPE is implemented by our engines.
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        if "rope_theta" not in data and "rope_theta" in rope:
+            kw["rope_theta"] = rope["rope_theta"]
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_parameters.rope_type: {rope_type!r} is not supported; valid: default")
         return cls(**kw)
 
     def to_hf_dict(self) -> dict[str, Any]:

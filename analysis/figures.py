@@ -1,0 +1,142 @@
+"""The study's two figures (matplotlib, Agg backend), each saved as PNG and SVG.
+
+- Figure 1 `fig1_token_mult_prob_error`: mismatch vs RL step, one curve per recipe (runs of a recipe
+  pooled over its IS settings: IS changes the update, not the two engines' numerics), mean ± 95% CI
+  band, the usual "acceptable" region 1.03–1.05 shaded, and 1.0 (identical log-probs) dotted.
+- Figure 2 `fig2_val_accuracy`: validation accuracy (%) vs RL step, one curve per recipe × IS.
+Colors are fixed per recipe (Okabe–Ito, colour-blind safe: bf16 blue, fp8_gen vermillion, fp8_e2e
+green) and line styles per IS variant (none solid, token dashed, tis dash-dot, icepop dotted), so a
+curve looks the same in both figures. Legends sit outside the axes; a note under each figure says
+what the band is ("mean ± 95% CI (Student t over N seeds)"); steps with one seed have no band.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display here or on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from analysis.aggregate import Curve, curves  # noqa: E402
+from analysis.fetch import SweepData  # noqa: E402
+from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC  # noqa: E402
+
+RECIPE_COLORS = {"bf16": "#0072B2", "fp8_gen": "#D55E00", "fp8_e2e": "#009E73"}
+EXTRA_COLORS = ("#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999")
+IS_STYLES = {"none": "-", "token": "--", "tis": "-.", "icepop": ":", "sequence": (0, (6, 2, 1, 2, 1, 2))}
+EXTRA_STYLES = ((0, (8, 3)), (0, (1, 1)), (0, (4, 1, 1, 1)))
+IS_MARKERS = {"none": "o", "token": "s", "tis": "^", "icepop": "D", "sequence": "v"}
+ACCEPTABLE = (1.03, 1.05)
+FIG1, FIG2 = "fig1_token_mult_prob_error", "fig2_val_accuracy"
+
+
+def recipe_color(recipe: str, seen: Sequence[str] = ()) -> str:
+    if recipe in RECIPE_COLORS:
+        return RECIPE_COLORS[recipe]
+    extras = sorted(r for r in set(seen) | {recipe} if r not in RECIPE_COLORS)
+    return EXTRA_COLORS[extras.index(recipe) % len(EXTRA_COLORS)]
+
+
+def is_style(variant: str, seen: Sequence[str] = ()):
+    if variant in IS_STYLES:
+        return IS_STYLES[variant]
+    extras = sorted(v for v in set(seen) | {variant} if v not in IS_STYLES)
+    return EXTRA_STYLES[extras.index(variant) % len(EXTRA_STYLES)]
+
+
+def is_label(variant: str) -> str:
+    return "no IS" if variant == "none" else f"IS {variant}"
+
+
+def ci_note(cs: Sequence[Curve], pooled: str = "") -> str:
+    """'mean ± 95% CI (Student t over 3 seeds)'; n as a range when groups differ. With `pooled` (a
+    text saying what one curve pools, e.g. seeds × IS settings) n counts runs instead of seeds."""
+    counts = sorted({int(c.n.max()) for c in cs if c.n.size})
+    n = "?" if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    what = "run" if pooled else "seed"
+    text = f"mean ± 95% CI (Student t over {n} {what}{'' if n == '1' else 's'}{'; ' + pooled if pooled else ''})"
+    return text + ("; no band where fewer than 2" if counts and counts[0] < 2 else "")
+
+
+def _plot(ax, cs: Sequence[Curve], labels: Sequence[str], colors, styles, markers, scale: float,
+          band_alpha: float) -> None:
+    for c, label, color, style, marker in zip(cs, labels, colors, styles, markers):
+        ax.plot(c.steps, c.mean * scale, color=color, linestyle=style, linewidth=2.0, label=label, marker=marker,
+                markersize=4.5, markerfacecolor="white" if marker not in (None, "o") else color)
+        if np.isfinite(c.half).any():  # NaN half-widths (n < 2) leave gaps in the band
+            ax.fill_between(c.steps, c.lo * scale, c.hi * scale, color=color, alpha=band_alpha, linewidth=0)
+
+
+def _finish(ax, title: str, subtitle: str, xlabel: str, ylabel: str, note: str, legend_title: str) -> None:
+    ax.set_title(f"{title}\n{subtitle}", loc="left", fontsize=12)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=9, title=legend_title,
+              title_fontsize=9, alignment="left")
+    # a caption under the x label (bbox_inches="tight" keeps it in the saved file)
+    ax.annotate(note, xy=(0, 0), xycoords="axes fraction", xytext=(0, -38), textcoords="offset points",
+                va="top", ha="left", fontsize=8.5, color="#444444")
+
+
+def save(fig, out_dir: str | Path, stem: str) -> list[Path]:
+    """`stem.png` (150 dpi) and `stem.svg`; the figure is closed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.png", out / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})  # no timestamp: stable files
+    plt.close(fig)
+    return paths
+
+
+def mismatch_figure(data: SweepData, by: Sequence[str] = ("recipe",)):
+    """Figure 1 as a matplotlib Figure (not saved): one curve per recipe."""
+    cs = curves(data, M_MISMATCH, by=by)
+    recipes = [c.group.get("recipe", "?") for c in cs]
+    fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
+    _plot(ax, cs, [c.label for c in cs], [recipe_color(r, recipes) for r in recipes], ["-"] * len(cs),
+          [None] * len(cs), 1.0, 0.15)
+    # references drawn after the curves (legend order) but beneath them (zorder)
+    ax.axhspan(*ACCEPTABLE, color="#E69F00", alpha=0.14, linewidth=0, zorder=0,
+               label="usual acceptable bound (1.03–1.05)")
+    ax.axhline(1.0, color="#555555", linestyle=":", linewidth=1.0, zorder=0, label="1.0 = identical log-probs")
+    top = max([ACCEPTABLE[1] + 0.005] + [float(np.nanmax(c.hi if np.isfinite(c.hi).any() else c.mean)) for c in cs])
+    bottom = min([1.0] + [float(np.nanmin(c.lo if np.isfinite(c.lo).any() else c.mean)) for c in cs])
+    ax.set_ylim(bottom - 0.1 * (top - bottom), top + 0.08 * (top - bottom))
+    variants = sorted({r.get("importance_sampling", "?") for r in data.runs})
+    seeds = len({r.get("seed", "?") for r in data.runs})
+    pooled = (f"runs per recipe = {seeds} seeds × {len(variants)} IS settings"
+              if len(variants) > 1 and "importance_sampling" not in by else "")
+    _finish(ax, "Figure 1 · Generation vs training mismatch", _subtitle(data), "RL step",
+            "token_mult_prob_error  (ratio; 1 = no mismatch)", ci_note(cs, pooled), "recipe")
+    return fig
+
+
+def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_sampling")):
+    """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS."""
+    cs = curves(data, M_VAL_ACC, by=by)
+    recipes = [c.group.get("recipe", "?") for c in cs]
+    variants = [c.group.get("importance_sampling", "none") for c in cs]
+    scale = 100.0 if all(np.nanmax(np.abs(c.values)) <= 1.0 for c in cs) else 1.0  # a fraction: show %
+    fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
+    labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]
+    _plot(ax, cs, labels, [recipe_color(r, recipes) for r in recipes], [is_style(v, variants) for v in variants],
+          [IS_MARKERS.get(v, "P") for v in variants], scale, 0.09)
+    _finish(ax, "Figure 2 · Validation accuracy", _subtitle(data), "RL step",
+            "validation accuracy (%, greedy)" if scale == 100 else "validation accuracy", ci_note(cs),
+            "recipe · importance sampling")
+    return fig
+
+
+def _subtitle(data: SweepData) -> str:
+    return f"sweep {data.sweep_name or '?'} · {len(data.runs)} runs"
+
+
+def make_figures(data: SweepData, out_dir: str | Path) -> dict[str, list[Path]]:
+    """Both figures as PNG + SVG under `out_dir`: `{"fig1": [png, svg], "fig2": [png, svg]}`."""
+    return {"fig1": save(mismatch_figure(data), out_dir, FIG1), "fig2": save(accuracy_figure(data), out_dir, FIG2)}

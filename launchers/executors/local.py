@@ -1,0 +1,100 @@
+"""Local processes through submitit's LocalExecutor, with the concurrency limit submitit lacks.
+
+Each task runs in its own process under a submitit controller (job id: the controller's pid), which
+restarts it after a checkpoint/requeue (USR2). `slots()` keeps at most `max_parallel` alive: the
+driver submits more as jobs end. `poll` looks at the processes it started (and, for jobs started by
+another driver, at /proc, checking that the pid is still a submitit controller and not a reused pid).
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, Sequence
+
+from launchers.executors.base import CANCELLED, DONE, FAILED, RUNNING, UNKNOWN, JobHandle, Task
+
+CONTROLLER_MODULE = "submitit.local._local"
+NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local default is 2 minutes; a run takes what it takes
+
+
+def _cmdline(pid: int) -> list[str] | None:
+    """The pid's argv, or None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return None
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except (OSError, IndexError):
+        return None
+
+
+def controller_alive(pid: int, folder: Path | None = None) -> bool:
+    """True when `pid` is a live submitit local controller (of `folder`'s jobs, when given)."""
+    argv = _cmdline(pid)
+    if not argv or CONTROLLER_MODULE not in argv:
+        return False
+    return folder is None or any(str(folder) in a for a in argv)
+
+
+class LocalExecutor:
+    kind = "local"
+
+    def __init__(self, folder: Path, max_parallel: int, signal_delay_s: int = 30):
+        import submitit
+
+        self.folder = Path(folder)
+        self.max_parallel = max_parallel
+        self._ex = submitit.LocalExecutor(folder=self.folder / "jobs" / "%j")
+        self._ex.update_parameters(timeout_min=NO_TIME_LIMIT_MIN, signal_delay_s=signal_delay_s)
+        self._jobs: dict[str, Any] = {}  # job_id -> submitit LocalJob (its Popen), for jobs we started
+        self._cancelled: set[str] = set()
+
+    def slots(self, running: int) -> int:
+        return max(0, self.max_parallel - running)
+
+    def submit(self, tasks: Sequence[Task], after: str | None = None) -> list[JobHandle]:
+        if after is not None:
+            raise ValueError("the local executor runs stages in order itself; `after` is for SLURM")
+        handles = []
+        for task in tasks:
+            job = self._ex.submit(task.fn, *task.args)
+            self._jobs[job.job_id] = job
+            handles.append(JobHandle(task.name, job.job_id, self.kind, str(job.paths.stdout), str(job.paths.stderr)))
+        return handles
+
+    def poll(self, handles: Sequence[JobHandle]) -> dict[str, str]:
+        out = {}
+        for h in handles:
+            job = self._jobs.get(h.job_id)
+            if job is not None:
+                code = job._process.poll() if job._process is not None else 0
+                if code is None:
+                    out[h.job_id] = RUNNING
+                else:
+                    out[h.job_id] = CANCELLED if h.job_id in self._cancelled else DONE if code == 0 else FAILED
+            else:  # started by another driver: alive or not is all we can tell
+                out[h.job_id] = RUNNING if controller_alive(int(h.job_id), self.folder) else UNKNOWN
+        return out
+
+    def cancel(self, handles: Sequence[JobHandle]) -> None:
+        """SIGINT each controller (as submitit's LocalJob.cancel): it stops its task, then exits."""
+        for h in handles:
+            pid = int(h.job_id)
+            if controller_alive(pid, self.folder):
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+                self._cancelled.add(h.job_id)
+
+    def wait(self, handles: Sequence[JobHandle], timeout_s: float) -> bool:
+        """Wait until none of `handles` is alive (True) or `timeout_s` passes (False)."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(s != RUNNING for s in self.poll(handles).values()):
+                return True
+            time.sleep(0.2)
+        return False

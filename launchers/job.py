@@ -1,0 +1,130 @@
+"""What runs inside a job: one cell (`CellJob`), the warm-start stage, the report stage.
+
+    CellJob()(config_dict)       # builds the RunConfig, runs (or resumes) it: fp8rl_core.run.run
+
+A cell's job is a `submitit.helpers.Checkpointable`: on preemption or timeout (USR2), submitit calls
+`checkpoint()`, which resubmits the same cell, and requeues the job; the requeued job calls `run`
+again, which resumes from the cell's own checkpoints (`<output_dir>/checkpoints`) and logs into the
+same MLflow run (`tracking.run_id`), keeping the first value of each step (none lost or doubled).
+A plain `scontrol requeue` (SIGTERM, which submitit ignores) restarts the original submission: the
+same config, so the same resume. The config travels as a plain dict and is validated again in the
+job, so a requeue after a code update still fails loudly on a config the new code rejects.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+import submitit
+
+from fp8rl_core.config import RunConfig, run_config_from_dict
+
+log = logging.getLogger(__name__)
+ERROR_TAG = "fp8rl.error"  # the exception that ended a failed cell, shown in the MLflow UI
+
+RunFn = Callable[[RunConfig], Any]
+
+
+def core_run(cfg: RunConfig) -> dict[str, float]:
+    from fp8rl_core.run import run
+
+    return run(cfg, progress=False)  # progress comes from metrics.jsonl; a bar would bury the error in the log
+
+
+def _mark_run(cfg: RunConfig, status: str, error: str | None = None) -> None:
+    """Best effort: end the cell's MLflow run as `status` unless the run already ended itself.
+
+    run() marks its run only once its sink is open; a cell that fails before (a config the model
+    cannot build, a missing file) would stay SCHEDULED without this."""
+    uri, run_id = cfg.tracking.uri, cfg.tracking.run_id
+    if not uri or not run_id:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(uri)
+        if error:
+            client.set_tag(run_id, ERROR_TAG, error[:4000])
+        current = client.get_run(run_id).info.status
+        if status == "RUNNING":
+            if current != "FINISHED":
+                client.update_run(run_id, status="RUNNING")
+        elif current in ("SCHEDULED", "RUNNING"):
+            client.set_terminated(run_id, status)
+    except Exception as e:  # never hide the cell's own error behind a tracking error
+        log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
+
+
+class CellJob(submitit.helpers.Checkpointable):
+    """Run one cell from its resolved config (a dict of fp8rl_core.config.RunConfig).
+
+    `run_fn` replaces fp8rl_core.run.run (tests use a tiny fake cell)."""
+
+    def __init__(self, run_fn: RunFn | None = None):
+        self.run_fn = run_fn
+        self._requeued = False
+
+    def __call__(self, config: dict[str, Any]) -> Any:
+        cfg = run_config_from_dict(config, where="cell job")
+        try:
+            return (self.run_fn or core_run)(cfg)
+        except SystemExit:
+            if self._requeued:  # submitit exits after requeueing: the run goes on in the next job
+                _mark_run(cfg, "RUNNING")
+            raise
+        except KeyboardInterrupt:  # local cancel (SIGINT)
+            _mark_run(cfg, "KILLED")
+            raise
+        except BaseException as e:
+            _mark_run(cfg, "FAILED", f"{type(e).__name__}: {e}")
+            raise
+
+    def checkpoint(self, config: dict[str, Any]) -> submitit.helpers.DelayedSubmission:
+        """Resubmit the same cell. The run's state is its own checkpoint on disk, written every
+        train.checkpoint_every steps, atomically, so nothing in this process needs saving."""
+        self._requeued = True
+        return submitit.helpers.DelayedSubmission(CellJob(self.run_fn), config)
+
+
+def warm_start_stage(configs: list[dict[str, Any]]) -> list[str]:
+    """Make (or find in the cache) the warm-start checkpoint of each config; the folders' paths."""
+    from fp8rl_core.builder import initial_checkpoint, load_tokenizer
+    from fp8rl_core.tasks import make_task
+
+    paths = []
+    for data in configs:
+        cfg = run_config_from_dict(data, where="warm-start stage")
+        tokenizer = load_tokenizer(cfg)
+        paths.append(str(initial_checkpoint(cfg, tokenizer, make_task(cfg.task), progress=False)))
+    return paths
+
+
+def warm_start_configs(configs: list[RunConfig]) -> list[RunConfig]:
+    """One config per distinct warm start the cells need and the cache does not hold yet."""
+    from fp8rl_core.warmstart import warmstart_key
+
+    todo: dict[str, RunConfig] = {}
+    for cfg in configs:
+        if cfg.model.path or cfg.warmstart.steps == 0:
+            continue
+        key = warmstart_key(cfg)
+        if key not in todo and not (Path(cfg.warmstart.cache_dir) / key / "config.json").exists():
+            todo[key] = cfg
+    return list(todo.values())
+
+
+def report_stage(uri: str, experiment: str, sweep_name: str, out_dir: str, parent_run_id: str,
+                 n_cells: int) -> str:
+    """Figures, table and claims of the sweep, logged to its parent run, which is then ended:
+    FINISHED when all `n_cells` cells finished, else FAILED. Returns the report's path."""
+    from analysis.report import make_report
+    from fp8rl_core.tracking.runs import cell_states, finish_run
+
+    try:
+        paths = make_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id)
+    finally:
+        states = cell_states(uri, experiment, sweep_name)
+        done = sum(s == "FINISHED" for s in states.values())
+        finish_run(uri, parent_run_id, "FINISHED" if done >= n_cells else "FAILED")
+    return str(paths.report)

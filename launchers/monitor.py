@@ -1,0 +1,131 @@
+"""The driver's loop: keep jobs submitted (within the executor's slots), poll them all once per tick,
+settle the ones that ended (retry or give up), and print progress.
+
+Progress is one line per change (or every PROGRESS_EVERY_S), readable in a terminal and in a log:
+
+    [02:13] 12 cells: 4 pending, 2 running, 5 done, 1 failed | 3fa1c2 14/60, 9b0e77 3/60 | ETA 6m40s
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from launchers import survey
+from launchers.cells import CELLS_SUBFOLDER, Cell
+from launchers.executors import JobHandle, is_alive
+from launchers.progress import cell_step, eta_seconds, fmt_duration
+
+if TYPE_CHECKING:  # pragma: no cover
+    from launchers.driver import Driver
+
+PROGRESS_EVERY_S = 30.0
+CANCEL_WAIT_S = 20.0
+MAX_SHOWN = 4  # running cells listed on the progress line
+
+
+class Monitor:
+    def __init__(self, driver: "Driver", watch: dict[str, JobHandle], finished: set[str]):
+        self.d = driver
+        self.active: dict[str, JobHandle] = dict(watch)  # cell id -> its alive job
+        self.queue: list[Cell] = []
+        self.dependency: str | None = None
+        self.finished = set(finished)
+        self.failed: set[str] = set()
+        self.t0 = time.time()
+        self._last_key, self._last_print = "", 0.0
+
+    def launch(self, cells: list[Cell], dependency: str | None) -> None:
+        self.queue, self.dependency = list(cells), dependency
+        self.submit_some()
+
+    def submit_some(self) -> None:
+        n = self.d.executor.slots(sum(h.kind == self.d.executor.kind for h in self.active.values()))
+        if n <= 0 or not self.queue:
+            return
+        batch, self.queue = self.queue[:n], self.queue[n:]
+        for h in self.d.submit(self.d.tasks_for(batch), self.dependency):
+            self.active[h.name] = h
+        self.dependency = None  # later batches (retries) start after the warm start has run
+
+    def loop(self) -> None:
+        while self.queue or self.active:
+            self.tick()
+            self.submit_some()
+            if self.queue or self.active:
+                time.sleep(self.d.poll_s)
+        self.render({}, force=True)
+
+    def poll(self) -> dict[str, str]:
+        by_kind: dict[str, list[JobHandle]] = {}
+        for h in self.active.values():
+            by_kind.setdefault(h.kind, []).append(h)
+        states: dict[str, str] = {}
+        for kind, handles in by_kind.items():
+            states.update(self.d.executor_of(kind).poll(handles))  # one scheduler call per kind
+        return states
+
+    def tick(self) -> None:
+        states = self.poll()
+        ended = [cid for cid, h in self.active.items() if not is_alive(states.get(h.job_id))]
+        if ended:
+            mlflow = self.d.mlflow_states()
+            for cid in ended:
+                del self.active[cid]
+                self._settle(cid, mlflow)
+            self.d.save()
+        self.render(states)
+
+    def _settle(self, cid: str, mlflow: dict[str, str]) -> None:
+        """The cell's job ended: finished, to retry, or failed for good."""
+        rec = self.d.state.record(cid)
+        status = mlflow.get(cid)
+        if survey.settle(rec, status, None):
+            self.d._end_stale_run(rec, status)
+        action = survey.decide(status, rec, None, self.d.retries)
+        cell = self.d.by_id[cid]
+        if action == survey.SKIP:
+            self.finished.add(cid)
+            return
+        err = rec.last().error if rec.last() else None
+        if action == survey.RUN:
+            self.d.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}): {err}; retrying")
+            self.queue.append(cell)
+        else:
+            self.d.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}, no retries left): {err}")
+            self.failed.add(cid)
+
+    # ---- progress ----------------------------------------------------------------------------------
+    def render(self, states: dict[str, str], force: bool = False) -> None:
+        running = {cid: h for cid, h in self.active.items() if states.get(h.job_id) == "running"}
+        pending = len(self.queue) + len(self.active) - len(running)
+        steps = {cid: cell_step(self.d.sweep.folder / CELLS_SUBFOLDER / cid) for cid in self.active}
+        shown = ", ".join(f"{cid[:6]} {max(steps[cid].step, 0)}/{self.d.by_id[cid].config.train.steps}"
+                          for cid in list(running)[:MAX_SHOWN])
+        more = f" +{len(running) - MAX_SHOWN}" if len(running) > MAX_SHOWN else ""
+        key = (f"{len(self.d.cells)} cells: {pending} pending, {len(running)} running, {len(self.finished)} done, "
+               f"{len(self.failed)} failed" + (f" | {shown}{more}" if shown else ""))
+        now = time.time()
+        if not force and key == self._last_key and now - self._last_print < PROGRESS_EVERY_S:
+            return
+        remaining = sum(c.config.train.steps for c in self.queue) + sum(
+            self.d.by_id[cid].config.train.steps - max(0, s.step) for cid, s in steps.items())
+        eta = eta_seconds(remaining, [s.seconds_per_step() for s in steps.values()],
+                          min(self.d.sweep.launcher.max_parallel, len(self.queue) + len(self.active)))
+        self.d.say(f"[{fmt_duration(now - self.t0)}] {key}" + (f" | ETA {fmt_duration(eta)}" if remaining else ""))
+        self._last_key, self._last_print = key, now
+
+    # ---- Ctrl-C / SIGTERM ----------------------------------------------------------------------------
+    def stop(self, why: str) -> None:
+        """Local jobs end with the driver (their runs KILLED, attempts not counted as failures);
+        SLURM jobs keep running on the cluster (`sweep status`, `sweep cancel` find them)."""
+        local = [h for h in self.active.values() if h.kind == "local"]
+        if local:
+            from launchers.cancel import cancel_handles
+
+            cancel_handles(self.d.sweep, self.d.state, local, self.d.executor_of, CANCEL_WAIT_S)
+            self.d.say(f"stopped ({why}): {len(local)} local job(s) cancelled; `sweep run` again resumes them")
+        others = len(self.active) - len(local)
+        if others:
+            self.d.say(f"stopped ({why}): {others} job(s) keep running; follow them with `sweep status "
+                        f"{self.d.sweep.name} --watch`, stop them with `sweep cancel {self.d.sweep.name}`")
+        self.d.save()

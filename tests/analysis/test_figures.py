@@ -1,0 +1,86 @@
+"""Figures 1 and 2: files written, and the right curves, bands, labels and legend on the axes."""
+from __future__ import annotations
+
+import matplotlib
+import numpy as np
+import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.colors import to_hex
+
+from analysis.aggregate import curves
+from analysis.fetch import SweepData
+from analysis.figures import (ACCEPTABLE, IS_STYLES, RECIPE_COLORS, accuracy_figure, make_figures, mismatch_figure)
+from analysis.synthetic import synthetic_runs
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(scope="module")
+def data() -> SweepData:
+    runs = synthetic_runs(seeds=3, steps=21)
+    for i, r in enumerate(runs):
+        r.run_id = f"r{i}"
+    return SweepData("sqlite:///x.db", "1", "synthetic", "p", runs)
+
+
+def _texts(fig) -> str:
+    return " ".join(t.get_text() for t in fig.findobj(matplotlib.text.Text))
+
+
+def test_files_are_written(data, tmp_path):
+    paths = make_figures(data, tmp_path)
+    for png, svg in paths.values():
+        assert png.stat().st_size > 20_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert svg.stat().st_size > 20_000 and b"<svg" in svg.read_bytes()[:500]
+        image = matplotlib.image.imread(png)
+        assert image.shape[1] > 1000 and image[..., :3].std() > 0.05  # not blank
+
+
+def test_figure1_one_curve_per_recipe_with_bands_and_acceptable_region(data):
+    fig = mismatch_figure(data)
+    ax = fig.axes[0]
+    lines = [l for l in ax.get_lines() if l.get_label() in RECIPE_COLORS]
+    assert [l.get_label() for l in lines] == ["bf16", "fp8_gen", "fp8_e2e"]
+    for line in lines:
+        assert to_hex(line.get_color()) == RECIPE_COLORS[line.get_label()].lower()
+    expected = {tuple(c.group.values()): c for c in curves(data, "token_mult_prob_error", by=("recipe",))}
+    np.testing.assert_allclose(lines[0].get_ydata(), expected[("bf16",)].mean)
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 3
+    span = [p for p in ax.patches if p.get_label().startswith("usual acceptable")]
+    (y0, y1) = sorted({round(v, 6) for v in span[0].get_path().transformed(span[0].get_patch_transform()).vertices[:, 1]})
+    assert (y0, y1) == ACCEPTABLE
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:3] == ["bf16", "fp8_gen", "fp8_e2e"] and any("1.03–1.05" in t for t in legend)
+    assert ax.get_xlabel() == "RL step" and "token_mult_prob_error" in ax.get_ylabel()
+    assert "Figure 1" in ax.get_title(loc="left")
+    text = _texts(fig)
+    assert "mean ± 95% CI (Student t over 6 runs" in text and "3 seeds × 2 IS settings" in text
+    bbox = ax.get_legend().get_window_extent(fig.canvas.get_renderer())
+    assert bbox.x0 >= ax.get_window_extent(fig.canvas.get_renderer()).x1  # legend outside the data
+
+
+def test_figure2_one_curve_per_recipe_and_is(data):
+    fig = accuracy_figure(data)
+    ax = fig.axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == 6
+    labels = [l.get_label() for l in lines]
+    assert labels[:2] == ["bf16 · no IS", "bf16 · IS token"]
+    for line in lines:
+        recipe, isv = line.get_label().split(" · ")
+        assert to_hex(line.get_color()) == RECIPE_COLORS[recipe].lower()
+        assert line.get_linestyle() == {"no IS": "-", "IS token": "--"}[isv]
+    ys = np.concatenate([l.get_ydata() for l in lines])
+    assert 20 < ys.min() and ys.max() < 90  # fractions shown as %
+    assert "%" in ax.get_ylabel() and ax.get_xlabel() == "RL step"
+    assert "mean ± 95% CI (Student t over 3 seeds)" in _texts(fig)
+    assert IS_STYLES["none"] == "-"
+
+
+def test_single_seed_has_no_band_and_says_so():
+    runs = synthetic_runs(seeds=1, steps=6)
+    data = SweepData("u", "1", "one-seed", None, runs)
+    fig = accuracy_figure(data)
+    assert not [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]
+    assert "over 1 seed)" in _texts(fig) and "no band where fewer than 2" in _texts(fig)

@@ -1,0 +1,83 @@
+"""Shared test fixtures.
+
+SLURM: tests marked `@pytest.mark.slurm` need the real local cluster (`bash scripts/slurm/cluster.sh
+up`). Without it they skip, unless FP8RL_REQUIRE_SLURM=1 (CI), where they fail. Use the
+`slurm_cluster` fixture to get the partition to submit to.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+import pytest
+
+_SLURM_TOOLS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "sacct", "sacctmgr")
+_USABLE_NODE_STATES = {"idle", "mix", "alloc", "comp"}
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    """The local cluster as the tests see it: its default partition and its usable nodes."""
+
+    partition: str
+    nodes: tuple[str, ...]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+
+
+@functools.cache
+def _probe_slurm() -> SlurmCluster | str:
+    """The cluster, or why it cannot run jobs (controller, a usable node, accounting for sacct)."""
+    missing = [tool for tool in _SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not on PATH"
+    try:
+        ping = _run(["scontrol", "ping"])
+        if "is UP" not in ping.stdout:
+            said = (ping.stdout + ping.stderr).strip().splitlines()
+            return f"slurmctld is not up: {said[0] if said else 'scontrol ping said nothing'}"
+        # submitit reads job states with sacct: without slurmdbd they stay UNKNOWN.
+        clusters = _run(["sacctmgr", "-n", "-P", "show", "cluster", "format=cluster"])
+        if clusters.returncode != 0 or not clusters.stdout.strip():
+            return f"no accounting (slurmdbd): {clusters.stderr.strip() or 'no cluster registered'}"
+        nodes = _run(["sinfo", "-h", "-N", "-o", "%N %t %P"])
+    except subprocess.TimeoutExpired as exc:
+        return f"{exc.cmd[0]} timed out"
+    usable, partition = [], ""
+    for line in nodes.stdout.splitlines():
+        name, state, part = line.split()
+        if state in _USABLE_NODE_STATES:
+            usable.append(name)
+        if part.endswith("*"):
+            partition = part.rstrip("*")
+    if not usable or not partition:
+        return f"no usable node in a default partition; sinfo says: {nodes.stdout.strip()!r}"
+    return SlurmCluster(partition=partition, nodes=tuple(usable))
+
+
+def _require_slurm() -> SlurmCluster:
+    probe = _probe_slurm()
+    if isinstance(probe, SlurmCluster):
+        return probe
+    hint = "start it with: bash scripts/slurm/cluster.sh up"
+    if os.environ.get("FP8RL_REQUIRE_SLURM") == "1":
+        pytest.fail(f"FP8RL_REQUIRE_SLURM=1 but the SLURM cluster is unusable: {probe} ({hint})")
+    pytest.skip(f"SLURM cluster unusable: {probe} ({hint})")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> SlurmCluster:
+    """The real local SLURM cluster; skips (or fails under FP8RL_REQUIRE_SLURM=1) when it is down."""
+    return _require_slurm()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A test marked `slurm` is gated even if it does not ask for the fixture.
+    if item.get_closest_marker("slurm") is not None:
+        _require_slurm()

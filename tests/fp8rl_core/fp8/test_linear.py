@@ -1,0 +1,197 @@
+"""Fp8Linear forward/dgrad/wgrad against float64 formulas on the quantized operands, and against BF16.
+
+Tight references: the operands are quantized with quantize_blockwise (bit-exact vs its own reference in
+test_quant.py), dequantized exactly in float64 (q * scale), and contracted in float64. The FP32-
+accumulation bound of test_gemm.py applies: |err| <= (K + 4) * 2**-24 * (|A| @ |B|^T) (the default
+"emulated" executor; the blockwise one is tighter), plus the FP32 bias add and one rounding of the
+result to the output dtype (unit roundoff 2**-8 for bf16).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fp8rl_core.fp8 import Fp8Linear, dequantize_blockwise, fp8_linear, quantize_blockwise, quantize_weight
+
+ACT, WGT, COL = (1, 128), (128, 128), (128, 1)
+
+
+def deq64(x: torch.Tensor, block) -> torch.Tensor:
+    """Quantize x, then dequantize exactly in float64."""
+    q, s = quantize_blockwise(x, block)
+    s_full = s.double().repeat_interleave(block[0], 0)[: q.shape[0]].repeat_interleave(block[1], 1)[:, : q.shape[1]]
+    return q.double() * s_full
+
+
+def check_close(got: torch.Tensor, ref: torch.Tensor, ref_abs: torch.Tensor, k: int, out_ulp: float) -> None:
+    tol = (k + 5) * 2.0**-24 * ref_abs * (1 + out_ulp) + out_ulp * ref.abs()
+    err = (got.double() - ref).abs()
+    assert torch.all(err <= tol), f"max err/tol {(err / tol).max().item():.3g}"
+
+
+def run_layer(m, k, n, x_dtype, w_dtype, seed=0):
+    torch.manual_seed(seed)
+    layer = Fp8Linear(k, n, dtype=w_dtype)
+    with torch.no_grad():
+        layer.bias.normal_()
+    x = torch.randn(m, k, dtype=x_dtype, requires_grad=True)
+    dy = torch.randn(m, n, dtype=x_dtype)
+    y = layer(x)
+    y.backward(dy)
+    return layer, x, dy, y
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("m,k,n", [(3, 200, 130), (260, 256, 384)])
+@pytest.mark.parametrize("executor", ["emulated", "emulated_blockwise"])
+def test_fwd_dgrad_wgrad_vs_float64(m, k, n, x_dtype, w_dtype, executor, monkeypatch):
+    monkeypatch.setenv("FP8RL_GEMM", executor)
+    layer, x, dy, y = run_layer(m, k, n, x_dtype, w_dtype)
+    xd, wd = x.detach(), layer.weight.detach()
+    ulp_x = 2.0**-24 if x_dtype == torch.float32 else 2.0**-8  # bf16 unit roundoff (8-bit significand)
+    ulp_w = 2.0**-24 if w_dtype == torch.float32 else 2.0**-8  # bf16 unit roundoff (8-bit significand)
+    # forward: Q(X)[1,128] . Q(W)[128,128]^T + b
+    a, b = deq64(xd, ACT), deq64(wd, WGT)
+    y_ref = a @ b.T + layer.bias.double()
+    check_close(y, y_ref, a.abs() @ b.abs().T + layer.bias.double().abs(), k, ulp_x)
+    assert y.dtype == x_dtype
+    # dgrad: Q(dY)[1,128] . Q(W)   (the same [128,128] weight blocks, transposed)
+    g = deq64(dy, ACT)
+    dx_ref = g @ b
+    check_close(x.grad, dx_ref, g.abs() @ b.abs(), n, ulp_x)
+    assert x.grad.dtype == x_dtype
+    # wgrad: Q(dY)[128,1]^T . Q(X)[128,1]   (re-quantized along tokens from the high-precision copies)
+    gc, ac = deq64(dy, COL), deq64(xd, COL)
+    dw_ref = gc.T @ ac
+    check_close(layer.weight.grad, dw_ref, gc.abs().T @ ac.abs(), m, ulp_w)
+    assert layer.weight.grad.dtype == w_dtype
+    # bias: sum over tokens in FP32
+    db_ref = dy.double().sum(0)
+    torch.testing.assert_close(layer.bias.grad.double(), db_ref, rtol=ulp_w + 1e-6, atol=1e-5)
+
+
+def test_wgrad_uses_column_blocks_not_row_blocks():
+    """Guards the recipe: quantizing the wgrad operands in [1,128] (per token) would fail the tight check."""
+    layer, x, dy, _ = run_layer(256, 256, 128, torch.float32, torch.float32, seed=1)
+    g_wrong, a_wrong = deq64(dy, ACT), deq64(x.detach(), ACT)
+    err = (layer.weight.grad.double() - g_wrong.T @ a_wrong).abs().max()
+    assert err > 1e-4
+
+
+def test_close_to_bf16_linear():
+    """Loose check against the unquantized layer. E4M3 rounds each operand with a relative error of at
+    most 2**-4 (RMS about 2**-4/sqrt(3) ~ 0.036 for uniformly spread mantissas, smaller on average), and
+    the errors of the two operands add in quadrature: the relative Frobenius error of y, dX, dW must be
+    below 0.06. BF16 (8-bit mantissa) is ~2**-9, so FP8 must also be visibly worse than BF16 (> 0.003)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(512, 256, dtype=torch.float64)
+    fp8 = Fp8Linear.from_linear(nn.Linear(512, 256, dtype=torch.bfloat16))
+    with torch.no_grad():
+        fp8.weight.copy_(ref.weight)
+        fp8.bias.copy_(ref.bias)
+        ref.weight.copy_(fp8.weight)  # the same bf16-representable master weights
+        ref.bias.copy_(fp8.bias)
+    x = torch.randn(4, 64, 512, dtype=torch.bfloat16)
+    dy = torch.randn(4, 64, 256, dtype=torch.bfloat16)
+    xr = x.double().requires_grad_(True)
+    x8 = x.clone().requires_grad_(True)
+    ref(xr).backward(dy.double())
+    y8 = fp8(x8)
+    y8.backward(dy)
+    y_ref = ref(xr.detach())
+    for got, want in ((y8, y_ref), (x8.grad, xr.grad), (fp8.weight.grad, ref.weight.grad)):
+        rel = ((got.double() - want).norm() / want.norm()).item()
+        assert 0.003 < rel < 0.06, rel
+
+
+def test_fp8_linear_matches_layer_forward_bit_exact():
+    for x_dtype, w_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+        torch.manual_seed(0)
+        layer = Fp8Linear(300, 200, dtype=w_dtype)
+        x = torch.randn(2, 7, 300, dtype=x_dtype)
+        w = quantize_weight(layer.weight, layer.bias)
+        y_inf = fp8_linear(x, w)
+        with torch.no_grad():
+            y_train = layer(x)
+        assert y_inf.dtype == x_dtype and y_inf.shape == (2, 7, 200)
+        assert torch.equal(y_inf, y_train)
+
+
+def test_power_of_two_option_reaches_quantizer():
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 128, bias=False, power_of_two=True)
+    x = torch.randn(8, 256)
+    a, b = deq64(x, ACT), deq64(layer.weight.detach(), WGT)
+    qx, sx = quantize_blockwise(x, ACT, power_of_two=True)
+    qw, sw = quantize_blockwise(layer.weight.detach(), WGT, power_of_two=True)
+    a2 = dequantize_blockwise(qx, sx, ACT).double()
+    b2 = dequantize_blockwise(qw, sw, WGT).double()
+    y = layer(x).detach().double()
+    y_ref = a2 @ b2.T
+    check_close(y, y_ref, a2.abs() @ b2.abs().T, 256, 2.0**-24)
+    assert not torch.allclose(y, a @ b.T, rtol=1e-5, atol=0)  # plain scales give a different result
+
+
+def test_state_dict_round_trip_and_from_linear():
+    lin = nn.Linear(64, 32)
+    fp8 = Fp8Linear(64, 32)
+    fp8.load_state_dict(lin.state_dict())
+    assert torch.equal(fp8.weight, lin.weight) and torch.equal(fp8.bias, lin.bias)
+    back = nn.Linear(64, 32, bias=True)
+    back.load_state_dict(fp8.state_dict())
+    assert set(fp8.state_dict()) == {"weight", "bias"}
+    assert torch.equal(back.weight, lin.weight)
+    shared = Fp8Linear.from_linear(lin, power_of_two=True)
+    assert shared.weight is lin.weight and shared.bias is lin.bias and shared.power_of_two
+    nobias = Fp8Linear.from_linear(nn.Linear(8, 4, bias=False))
+    assert nobias.bias is None and nobias(torch.randn(2, 8)).shape == (2, 4)
+    with pytest.raises(TypeError, match="unexpected"):
+        Fp8Linear.from_linear(lin, bogus=1)
+
+
+def test_autocast_casts_input_to_bf16():
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 64)
+    x = torch.randn(5, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(y, layer(x.detach().bfloat16()))
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+
+
+def test_non_finite_input_raises_with_name():
+    layer = Fp8Linear(128, 16)
+    x = torch.randn(2, 128)
+    x[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="x"):
+        layer(x)
+    layer.check_finite = False
+    assert torch.isnan(layer(x)).any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_layer_matches_emulation(monkeypatch):
+    """On a GPU, the selected hardware executor agrees with the emulation to ~1e-3 (relative norm),
+    far below the FP8 quantization error (~3e-2): same quantized operands, different accumulation."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(640, 384, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(3, 70, 640, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(3, 70, 384, device="cuda", dtype=torch.bfloat16)
+    grads = {}
+    for executor in ("emulated", None):
+        if executor:
+            monkeypatch.setenv("FP8RL_GEMM", executor)
+        else:
+            monkeypatch.delenv("FP8RL_GEMM", raising=False)
+        xi = x.clone().requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y = layer(xi)
+        y.backward(dy)
+        grads[executor] = (y.float(), xi.grad.float(), layer.weight.grad.float())
+    for hw, em in zip(grads[None], grads["emulated"]):
+        assert ((hw - em).norm() / em.norm()).item() < 2e-3

@@ -1,0 +1,120 @@
+"""The arithmetic task: answers checked by re-parsing each prompt, held-out prompts never trained on."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from fp8rl_core.model.tokenizer import CHARS
+from fp8rl_core.tasks import ArithmeticTask, Example
+
+PROMPT = re.compile(r"(0|[1-9]\d*)([+*-])(0|[1-9]\d*)=")
+
+
+def solve(prompt: str) -> tuple[int, str, int, str]:
+    """(a, op, b, answer) from the prompt text, independently of the task's generator."""
+    m = PROMPT.fullmatch(prompt)
+    assert m, f"bad prompt format {prompt!r}"
+    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+    value = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return a, op, b, str(value)
+
+
+def test_validation_set_is_fixed_distinct_and_correct():
+    task = ArithmeticTask(digits=3, operators=("+", "-"), val_size=128, data_seed=7)
+    assert len(task.val_examples) == 128
+    assert len({e.prompt for e in task.val_examples}) == 128
+    for e in task.val_examples:
+        a, op, b, answer = solve(e.prompt)
+        assert e.answer == answer and op in "+-" and a < 1000 and b < 1000
+    assert ArithmeticTask(digits=3, val_size=128, data_seed=7).val_examples == task.val_examples
+    assert ArithmeticTask(digits=3, val_size=128, data_seed=8).val_examples != task.val_examples
+    assert any(e.answer.startswith("-") for e in task.val_examples)  # negative results occur
+
+
+def test_training_never_sees_validation_prompts_and_covers_the_rest():
+    # a tiny space (10 x 10 sums) so that collisions with held-out prompts are certain
+    task = ArithmeticTask(digits=1, operators=("+",), val_size=25, data_seed=3)
+    val = {e.prompt for e in task.val_examples}
+    seen = {e.prompt for e in task.sample_train(random.Random(0), 3000)}
+    seen |= {e.prompt for e in task.warmstart_sample(random.Random(1), 3000)}
+    assert not seen & val
+    assert len(seen) == 100 - 25  # every other prompt is reachable
+
+
+def test_operand_digits_and_answer_lengths():
+    task = ArithmeticTask(digits=3, min_digits=2, operators=("+", "-", "*"), val_size=16)
+    exs = task.sample_train(random.Random(0), 2000)
+    ops = set()
+    for e in exs:
+        a, op, b, answer = solve(e.prompt)
+        ops.add(op)
+        assert 10 <= a <= 999 and 10 <= b <= 999 and e.answer == answer
+        assert len(e.answer) <= 6 and set(e.prompt + e.answer) <= set(CHARS)
+    assert ops == {"+", "-", "*"}
+    # digit counts are uniform over [min_digits, digits]: about half 2-digit, half 3-digit operands
+    two = sum(solve(e.prompt)[0] < 100 for e in exs) / len(exs)
+    assert 0.45 < two < 0.55
+
+
+def test_sampling_is_deterministic_for_each_rng_kind():
+    task = ArithmeticTask()
+    assert task.sample_train(random.Random(5), 20) == task.sample_train(random.Random(5), 20)
+    assert task.sample_train(11, 20) == task.sample_train(11, 20)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert task.sample_train(g1, 20) == task.sample_train(g2, 20)
+    assert task.sample_train(g1, 20) != task.sample_train(torch.Generator().manual_seed(3), 20)  # g1 advanced
+    rnd = random.Random(9)
+    first = task.sample_train(rnd, 10)
+    assert task.sample_train(rnd, 10) != first  # a random.Random is advanced, not reseeded
+    with pytest.raises(TypeError, match="rng must be"):
+        task.sample_train("seed", 1)
+
+
+def test_warm_start_distribution_knobs():
+    task = ArithmeticTask(digits=3, warmstart_digits=1, warmstart_full_fraction=0.0, val_size=32)
+    for e in task.warmstart_sample(random.Random(0), 500):
+        a, _, b, _ = solve(e.prompt)
+        assert a < 10 and b < 10
+    mixed = ArithmeticTask(digits=3, warmstart_digits=1, warmstart_full_fraction=0.5, val_size=32)
+    long_ops = sum(max(solve(e.prompt)[0], solve(e.prompt)[2]) >= 10
+                   for e in mixed.warmstart_sample(random.Random(0), 4000)) / 4000
+    # half the examples come from the full distribution, where P(an operand has >= 2 digits) = 1 - 1/9
+    assert long_ops == pytest.approx(0.5 * (1 - 1 / 9), abs=0.03)
+    same = ArithmeticTask(digits=2, val_size=32)  # default: the warm start sees the RL distribution
+    assert same.warmstart_sample(random.Random(4), 50) == same.sample_train(random.Random(4), 50)
+
+
+def test_reward_sft_and_accuracy():
+    task = ArithmeticTask(val_size=8)
+    ex = Example("123+45=", "168")
+    assert task.reward(ex, "168") == 1.0 and task.reward(ex, " 168 ") == 1.0
+    assert task.reward(ex, "0168") == 0.0 and task.reward(ex, "16") == 0.0 and task.reward(ex, "") == 0.0
+    assert task.reward(Example("7-12=", "-5"), "-5") == 1.0
+    assert task.sft_text(ex) == ("123+45=", "168")
+    assert task.accuracy([ex, ex], ["168", "x"]) == 0.5
+    with pytest.raises(ValueError, match="as many completions"):
+        task.accuracy([ex], [])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"digits": 10}, "1 <= min_digits <= digits <= 9"),
+    ({"min_digits": 3, "digits": 2}, "min_digits <= digits"),
+    ({"operators": ("/",)}, r"\['/'\] not allowed; valid: \+, -, \*"),
+    ({"operators": ()}, "empty"),
+    ({"digits": 1, "operators": ("+",), "val_size": 26}, "need 1 <= val_size <= 25"),
+    ({"warmstart_digits": 4}, "warmstart_digits"),
+    ({"warmstart_full_fraction": 1.5}, "warmstart_full_fraction"),
+])
+def test_bad_settings_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ArithmeticTask(**kwargs)
+
+
+def test_alphabet_is_what_prompts_and_answers_use():
+    task = ArithmeticTask(operators=("+", "*"), val_size=32)
+    used = {c for e in task.sample_train(random.Random(0), 500) + task.val_examples for c in e.prompt + e.answer}
+    assert used == set(task.alphabet()) and "-" not in used
+    assert set(ArithmeticTask(operators=("-",), val_size=32).alphabet()) == set("0123456789-=")
