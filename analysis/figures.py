@@ -76,8 +76,11 @@ def _finish(ax, title: str, subtitle: str, xlabel: str, ylabel: str, note: str, 
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3, linewidth=0.6)
     ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=9, title=legend_title,
-              title_fontsize=9, alignment="left")
+    if not ax.get_lines():  # e.g. a report early in a sweep, before the first validation step
+        ax.text(0.5, 0.5, "no values logged yet", transform=ax.transAxes, ha="center", va="center", color="#777777")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=9, title=legend_title,
+                  title_fontsize=9, alignment="left")
     # a caption under the x label (bbox_inches="tight" keeps it in the saved file)
     ax.annotate(note, xy=(0, 0), xycoords="axes fraction", xytext=(0, -38), textcoords="offset points",
                 va="top", ha="left", fontsize=8.5, color="#444444")
@@ -122,7 +125,7 @@ def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_
     cs = curves(data, M_VAL_ACC, by=by)
     recipes = [c.group.get("recipe", "?") for c in cs]
     variants = [c.group.get("importance_sampling", "none") for c in cs]
-    scale = 100.0 if all(np.nanmax(np.abs(c.values)) <= 1.0 for c in cs) else 1.0  # a fraction: show %
+    scale = 100.0 if all(np.nanmax(np.abs(c.values)) <= 1.0 for c in cs) else 1.0  # fractions: show %
     fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
     labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]
     _plot(ax, cs, labels, [recipe_color(r, recipes) for r in recipes], [is_style(v, variants) for v in variants],

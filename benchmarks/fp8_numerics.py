@@ -1,4 +1,5 @@
 """Usage: python benchmarks/fp8_numerics.py [--quick] [--compile off|on|both] [--device cpu|cuda] [--repeats N]
+                                         [--executors a,b] [--tokens M] [--sizes 1024,4096] [--no-quant]
 
 Blockwise-FP8 numerics speed, every number measured in this one run against a baseline of the same run:
   1. quantize + dequantize of an M x M BF16 tensor, blocks (1,128) and (128,128), vs a plain copy of
@@ -90,9 +91,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--executors", default=None, help="comma list; default: the selected one (+ emulated on CUDA)")
+    ap.add_argument("--tokens", type=int, default=None, help="M of the linear rows")
+    ap.add_argument("--sizes", default=None, help="comma list of K = N for the linear rows")
+    ap.add_argument("--no-quant", action="store_true", help="skip the quantize+dequantize rows")
     args = ap.parse_args()
     device = torch.device(args.device)
     size, m, sizes = (1024, 1024, [256, 1024]) if args.quick else (4096, 4096, [1024, 4096])
+    m = args.tokens or m
+    sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else sizes
     executors = args.executors.split(",") if args.executors else [select_executor(device)]
     if device.type == "cuda" and "emulated" not in executors:
         executors.append("emulated")
@@ -100,7 +106,7 @@ def main() -> None:
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'})")
     rows: list[tuple] = []
     modes = ["eager", "compiled"] if args.compile == "both" else ["compiled" if args.compile == "on" else "eager"]
-    for mode in modes:
+    for mode in [] if args.no_quant else modes:
         kernels.set_compile(mode == "compiled")
         rows += quant_rows(size, args.repeats, device, mode)
     kernels.set_compile(modes[-1] == "compiled")

@@ -1,13 +1,23 @@
 """Generation throughput: the native engine vs `transformers` `generate`, same tiny model, batch and lengths.
 
-Usage: python benchmarks/generation.py [--batch 128] [--new-tokens 8 32] [--repeats 3] [--threads 0]
+Usage: PYTHONPATH=. python benchmarks/generation.py [--batch 128] [--group 8] [--new-tokens 8 32]
+                                                    [--repeats 3] [--threads 0] [--clock wall|cpu]
 
-Random weights (the `tiny` preset: 4 layers, hidden 256); prompts of 10-14 tokens, left-padded; sampling
-at T=1 with no top-k/top-p; EOS disabled (eos_token_id=None on both sides) so every row produces exactly
-max_new_tokens tokens. Tokens/s = batch * new_tokens / wall time of one generate call (prefill included),
-best of --repeats after one warm-up. The FP8 row runs our engine's blockwise-FP8 linears (CPU emulation);
-its baseline is the same BF16 transformers run (transformers has no blockwise-FP8 CPU kernel: its
-FineGrainedFP8 CPU path dequantizes to BF16 at load).
+Random weights (the `tiny` preset: 4 layers, hidden 256, vocab 32); prompts of 10-14 tokens, left-padded
+for transformers; sampling at T=1, no top-k/top-p; EOS disabled (eos_token_id=None on both sides) so that
+every row produces exactly max_new_tokens tokens. Two batch shapes of `--batch` rows:
+- distinct: every row its own prompt;
+- grpo:     batch / group prompts x `--group` samples each (GRPO's rollout shape; transformers gets the
+            expanded batch, as `num_return_sequences` does; our engine prefills each prompt once).
+Tokens/s = rows * new_tokens / time of one generate call (prefill included), best of --repeats after
+a warm-up; `--clock cpu` measures the process's CPU time instead of wall time (with --threads 1 it is
+the compute time even when other jobs share the cores). `floor` is the time of the model's GEMM FLOPs
+(2 * params * tokens, with the engine's prefill tokens) at the BF16 GEMM rate measured in this run on
+the largest decode GEMM: an engine whose GEMMs run at that rate cannot beat it, so `transformers
+time / floor` bounds the ratio.
+The FP8 rows run our blockwise-FP8 linears (CPU emulation, FP32 GEMMs); their baseline is the same
+BF16 transformers run (transformers has no blockwise-FP8 CPU kernel: its FineGrainedFP8 CPU path
+dequantizes to BF16 at load).
 """
 from __future__ import annotations
 
@@ -15,41 +25,46 @@ import argparse
 import time
 
 import torch
+import torch.nn.functional as F
 
 from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
-from fp8rl_core.model.config import preset
+from fp8rl_core.model.config import ModelConfig, preset
 
 
-def hf_model(cfg, dtype: torch.dtype):
+def hf_model(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg.to_hf_dict())).to(dtype).eval()
-    for p in model.parameters():  # O(1) logits, so the distributions are not flat
+    for p in model.parameters():  # O(1) logits, so that the distributions are not flat
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=p.shape[1] ** -0.5)
     return model
 
 
-def prompts_for(batch: int, vocab: int) -> list[list[int]]:
+def make_prompts(batch: int, group: int, vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(10, 15, (batch,), generator=g).tolist()
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    lengths = torch.randint(10, 15, (batch // group,), generator=g).tolist()
+    uniq = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    return [p for p in uniq for _ in range(group)]
+
+
+CLOCK = time.perf_counter
 
 
 def best_time(fn, repeats: int) -> float:
-    fn()  # warm-up (allocator, oneDNN primitive caches)
+    fn()  # warm-up: allocator, oneDNN primitive caches
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(CLOCK() - t0)
     return min(times)
 
 
-def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int) -> None:
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, pad: int) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -60,31 +75,57 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, pad: int) -> N
     assert out.shape[1] == width + new_tokens
 
 
+def gemm_rate(repeats: int) -> float:
+    """FLOP/s of the engine's largest decode GEMM ([128, 256] x [256, 1536], BF16), best of a few."""
+    x, w = torch.randn(128, 256).bfloat16(), torch.randn(1536, 256).bfloat16()
+    t = best_time(lambda: [F.linear(x, w) for _ in range(20)], repeats) / 20
+    return 2 * 128 * 256 * 1536 / t
+
+
+def floor_seconds(cfg: ModelConfig, prompts: list[list[int]], new_tokens: int, rate: float) -> float:
+    """GEMM FLOPs of our engine's work (distinct prompts prefilled once, then batched decode) / rate."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    params = layers * (h * (2 * h + 2 * kv) + 3 * h * inter) + h * cfg.vocab_size
+    tokens = sum(len(p) for p in {tuple(p) for p in prompts}) + len(prompts) * (new_tokens - 1)
+    return 2 * params * tokens / rate
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt of the grpo shape")
     ap.add_argument("--new-tokens", type=int, nargs="+", default=[8, 32])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = preset("tiny", eos_token_id=None)
     model = hf_model(cfg, torch.bfloat16)
-    weights = model.state_dict()
-    prompts = prompts_for(args.batch, cfg.vocab_size)
     engines = {"bf16": NativeGenerationEngine(cfg), "fp8": NativeGenerationEngine(cfg, fp8=True, fp8_spec=Fp8Spec())}
-    for e in engines.values():
-        e.refit(weights)
-    print(f"batch {args.batch}, prompts 10-14 tokens, torch {torch.__version__}, threads {torch.get_num_threads()}")
-    print(f"{'mode':<5} {'new':>4} {'transformers tok/s':>19} {'native tok/s':>13} {'ratio':>6}")
-    for n in args.new_tokens:
-        t_hf = best_time(lambda: hf_generate(model, prompts, n, cfg.pad_token_id), args.repeats)
-        for mode, engine in engines.items():
-            sampling = SamplingParams(max_new_tokens=n)
-            t_ours = best_time(lambda: engine.generate(prompts, sampling), args.repeats)
-            tok = args.batch * n
-            print(f"{mode:<5} {n:>4} {tok / t_hf:>19.0f} {tok / t_ours:>13.0f} {t_hf / t_ours:>5.1f}x")
+    for engine in engines.values():
+        engine.refit(model.state_dict())
+    rate = gemm_rate(args.repeats)
+    print(f"rows {args.batch}, prompts 10-14 tokens, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"{args.clock} clock, "
+          f"BF16 GEMM rate {rate / 1e9:.0f} GFLOP/s")
+    print(f"{'shape':<9} {'mode':<5} {'new':>4} {'transformers tok/s':>19} {'native tok/s':>13} {'ratio':>6} "
+          f"{'floor-bound ratio':>18}")
+    for shape, group in (("distinct", 1), ("grpo", args.group)):
+        prompts = make_prompts(args.batch, group, cfg.vocab_size)
+        for n in args.new_tokens:
+            t_hf = best_time(lambda: hf_generate(model, prompts, n, cfg.pad_token_id), args.repeats)
+            bound = t_hf / floor_seconds(cfg, prompts, n, rate)
+            for mode, engine in engines.items():
+                sampling = SamplingParams(max_new_tokens=n)
+                t_ours = best_time(lambda: engine.generate(prompts, sampling), args.repeats)
+                tok = len(prompts) * n
+                print(f"{shape:<9} {mode:<5} {n:>4} {tok / t_hf:>19.0f} {tok / t_ours:>13.0f} "
+                      f"{t_hf / t_ours:>5.1f}x {bound:>17.1f}x")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,45 @@
-"""Validation accuracy: greedy decoding of the fixed held-out set by the generation engine.
+"""Validation accuracy on the fixed held-out set, measured on the generation engine.
 
-Greedy (argmax) rather than sampled, so that the number moves with the policy and not with sampling
-noise; it runs on the generation engine, i.e. with the recipe's FP8 or BF16 kernels, as a deployed
-model would answer.
+Two numbers, both on the recipe's own generation kernels (FP8 or BF16), as a deployed model answers:
+- `val_accuracy`: pass@1 at the rollout temperature, i.e. mean reward of `val_samples` sampled
+  answers per held-out prompt — what NeMo RL reports as validation accuracy, and what RL optimizes;
+- `val_accuracy_greedy`: argmax decoding, one answer per prompt.
+Validation draws from a fixed seed and restores the engine's sampling stream afterwards, so it neither
+perturbs training nor adds sampling noise between validation points.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fp8rl_core.engines.base import GenerationEngine, SamplingParams
 
+VAL_SEED = 20_240_917
 
-def validation_accuracy(gen: GenerationEngine, tokenizer: Any, task: Any, max_new_tokens: int,
-                        batch_size: int = 256) -> float:
-    """Fraction of `task.val_examples` whose greedy completion earns reward 1."""
-    examples = task.val_examples
-    correct = 0.0
-    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+
+def _mean_reward(gen: GenerationEngine, tokenizer: Any, task: Any, examples: list, sampling: SamplingParams,
+                 batch_size: int) -> float:
+    total = 0.0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        out = gen.generate([tokenizer.encode(ex.prompt) for ex in chunk], greedy)
+        out = gen.generate([tokenizer.encode(ex.prompt) for ex in chunk], sampling)
         lengths = out.response_mask.sum(dim=1).tolist()
         for i, ex in enumerate(chunk):
-            correct += task.reward(ex, tokenizer.decode(out.response_ids[i, :lengths[i]].tolist()))
-    return correct / max(len(examples), 1)
+            total += task.reward(ex, tokenizer.decode(out.response_ids[i, :lengths[i]].tolist()))
+        sampling = replace(sampling, seed=None)  # seed once per validation, then continue the stream
+    return total / max(len(examples), 1)
+
+
+def validation_metrics(gen: GenerationEngine, tokenizer: Any, task: Any, sampling: SamplingParams,
+                       samples: int, batch_size: int = 512) -> dict[str, float]:
+    """{'val_accuracy': sampled pass@1 over `samples` draws per prompt, 'val_accuracy_greedy': ...}."""
+    saved = gen.generator.get_state()
+    try:
+        greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, greedy=True)
+        out = {"val_accuracy_greedy": _mean_reward(gen, tokenizer, task, task.val_examples, greedy, batch_size)}
+        repeated = [ex for ex in task.val_examples for _ in range(samples)]
+        out["val_accuracy"] = (_mean_reward(gen, tokenizer, task, repeated, replace(sampling, seed=VAL_SEED),
+                                            batch_size) if samples > 0 else out["val_accuracy_greedy"])
+        return out
+    finally:
+        gen.generator.set_state(saved)

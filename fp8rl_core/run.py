@@ -20,8 +20,8 @@ from tqdm import tqdm
 from fp8rl_core.builder import build_context
 from fp8rl_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fp8rl_core.config import RunConfig, run_config_hash
-from fp8rl_core.evaluate import validation_accuracy
-from fp8rl_core.grpo_step import RunContext, grpo_step
+from fp8rl_core.evaluate import validation_metrics
+from fp8rl_core.grpo_step import RunContext, grpo_step, sampling_params
 from fp8rl_core.schema import flatten, to_dict
 from fp8rl_core.tracking.sink import make_run_sink
 
@@ -51,8 +51,8 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _validate(ctx: RunContext) -> float:
-    return validation_accuracy(ctx.gen, ctx.tokenizer, ctx.task, ctx.cfg.rollout.max_new_tokens)
+def _validate(ctx: RunContext) -> dict[str, float]:
+    return validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling_params(ctx.cfg), ctx.cfg.train.val_samples)
 
 
 def _is_val_step(cfg: RunConfig, step: int) -> bool:
@@ -91,14 +91,14 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
     status = "FAILED"
     try:
         if done == 0:
-            sink.log(0, {"val_accuracy": _validate(ctx)})
+            sink.log(0, _validate(ctx))
         for step in range(done + 1, cfg.train.steps + 1):
             try:
                 last = grpo_step(ctx)
             except FloatingPointError as e:
                 raise RunFailed(f"step {step}: {e}") from e
             if _is_val_step(cfg, step):
-                last["val_accuracy"] = _validate(ctx)
+                last.update(_validate(ctx))
             sink.log(step, last)
             bar.update(1)
             bar.set_postfix(reward=f"{last['reward_mean']:.2f}", mismatch=f"{last['token_mult_prob_error']:.4f}",

@@ -14,6 +14,7 @@ Exit codes: 0 every cell finished; 1 some cell failed; 3 another driver holds th
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -22,13 +23,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, Iterator, TextIO
 
 from fp8rl_core.config import RunConfig, TrackingSpec
 from fp8rl_core.schema import to_dict
 
 from launchers import survey
-from launchers.cells import CELLS_SUBFOLDER, Cell, cell_run_config
+from launchers.cells import Cell, cell_run_config
 from launchers.executors import Executor, JobHandle, Task, make_executor
 from launchers.grid import expand
 from launchers.job import CellJob, RunFn, report_stage, warm_start_configs, warm_start_stage
@@ -87,6 +88,7 @@ class Driver:
         self.state = load_state(sweep.folder) or SweepState(sweep.experiment, kind=sweep.launcher.kind)
         self.state.kind = sweep.launcher.kind
         self.exp_id: str | None = None
+        self.changes = 0  # jobs this driver submitted or saw end: the report is out of date
 
     # ---- plumbing -------------------------------------------------------------------------------
     def executor_of(self, kind: str) -> Executor:
@@ -106,7 +108,7 @@ class Driver:
         return survey.retry_locked(cell_states, self.uri, self.name, self.name)
 
     # ---- 1) experiment and parent run -------------------------------------------------------------
-    def setup(self) -> None:
+    def setup(self, extra_params: dict[str, Any] | None = None) -> None:
         from mlflow import MlflowClient
 
         from fp8rl_core.tracking.runs import create_parent_run, ensure_experiment
@@ -115,7 +117,7 @@ class Driver:
         spec = to_dict(self.sweep.spec)
         params = {"sweep_file": self.sweep.name, "launcher.kind": self.sweep.launcher.kind,
                   "launcher.max_parallel": self.sweep.launcher.max_parallel, "n_cells": len(self.cells),
-                  **{f"grid.{a.key}": list(a.values) for a in self.sweep.axes}}
+                  **{f"grid.{a.key}": list(a.values) for a in self.sweep.axes}, **(extra_params or {})}
         parent = survey.retry_locked(create_parent_run, self.uri, self.name, self.name, params=params, config=spec)
         self.state.parent_run_id = parent
         survey.retry_locked(MlflowClient(self.uri).update_run, parent, "RUNNING")
@@ -125,9 +127,10 @@ class Driver:
 
     # ---- 2) what to do with each cell --------------------------------------------------------------
     def survey(self) -> tuple[dict[str, str], dict[str, JobHandle]]:
-        """(action per cell id, alive jobs to watch by cell id): one MLflow query, one poll."""
-        mlflow = self.mlflow_states()
+        """(action per cell id, alive jobs to watch by cell id): one poll, then one MLflow query (in
+        this order: a job seen ended has already written its run's final status)."""
         jobs = survey.poll_attempts(self.state.open_attempts(), self.executor_of)
+        mlflow = self.mlflow_states()
         actions, watch = {}, {}
         for cell in self.cells:
             rec = self.state.cells.get(cell.id)
@@ -144,12 +147,22 @@ class Driver:
     def _end_stale_run(self, rec: Any, status: str | None) -> None:
         """A dead job left its run RUNNING/SCHEDULED: mark it KILLED so the UI tells the truth."""
         if rec.run_id and status in ("RUNNING", "SCHEDULED"):
-            from fp8rl_core.tracking.runs import finish_run
+            from mlflow import MlflowClient
 
-            survey.retry_locked(finish_run, self.uri, rec.run_id, "KILLED")
+            client = MlflowClient(self.uri)
+            if survey.retry_locked(client.get_run, rec.run_id).info.status in ("RUNNING", "SCHEDULED"):  # still
+                survey.retry_locked(client.set_terminated, rec.run_id, "KILLED")
 
     # ---- 3) child runs and tasks -------------------------------------------------------------------
-    def tasks_for(self, cells: list[Cell]) -> list[Task]:
+    def add_cell(self, cell: Cell) -> None:
+        """A cell made after the start (an Optuna trial's)."""
+        if cell.id not in self.by_id:
+            self.cells.append(cell)
+            self.by_id[cell.id] = cell
+
+    def tasks_for(self, cells: list[Cell], extra_tags: dict[str, dict[str, str]] | None = None) -> list[Task]:
+        """A SCHEDULED child run per cell (or its existing run) and the job that runs it;
+        `extra_tags`: cell id -> more tags for a new run (e.g. the Optuna trial number)."""
         from fp8rl_core.tracking.runs import find_or_create_cell_run
 
         from launchers.cells import cell_tags
@@ -160,7 +173,8 @@ class Driver:
             cfg0 = cell_run_config(self.sweep, cell)
             run_id, _ = survey.retry_locked(
                 find_or_create_cell_run, self.uri, self.exp_id, self.state.parent_run_id, cell.id,
-                tags=cell_tags(self.sweep, cell), params=_public(cfg0), config=_public(cfg0))
+                tags={**cell_tags(self.sweep, cell), **(extra_tags or {}).get(cell.id, {})},
+                params=_public(cfg0), config=_public(cfg0))
             moved = supersede_outputs(Path(cfg0.output_dir), run_id, rec.run_id)
             if moved:
                 self.say(f"cell {cell.id}: its previous run is gone; old outputs moved to {moved}")
@@ -171,6 +185,7 @@ class Driver:
 
     def submit(self, tasks: list[Task], dependency: str | None = None) -> list[JobHandle]:
         handles = self.executor.submit(tasks, dependency) if dependency else self.executor.submit(tasks)
+        self.changes += len(handles)
         for h in handles:
             self.state.record(h.name).attempts.append(Attempt(h.job_id, h.kind, h.submitted, h.stderr))
         self.save()
@@ -258,7 +273,8 @@ class Driver:
             rec = self.state.cells.get(c.id)
             err = rec.last().error if rec and rec.last() else None
             self.say(f"  FAILED {c.id} {c.label()}: {err or mlflow.get(c.id) or 'not run'}")
-        if report and mlflow:
+        fresh = self.changes or not (self.sweep.folder / "report" / "report.md").exists()
+        if report and mlflow and fresh:  # nothing ran and a report exists: it is up to date
             try:
                 from analysis.report import make_report
 
@@ -297,6 +313,21 @@ def _raise_stopped(signum: int, frame: Any) -> None:
     raise DriverStopped(signal.Signals(signum).name)
 
 
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM (`sweep cancel` stopping this driver) raises DriverStopped in the main thread."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_sweep(sweep: Sweep, detach: bool = False, retry_failed: bool = False, executor: Executor | None = None,
               run_fn: RunFn | None = None, out: TextIO | None = None, poll_s: float = 2.0,
               report: bool = True) -> int:
@@ -304,20 +335,11 @@ def run_sweep(sweep: Sweep, detach: bool = False, retry_failed: bool = False, ex
     cells = expand(sweep)  # validates every cell: nothing is created for a sweep that fails here
     if detach and sweep.launcher.kind != "slurm" and executor is None:
         return spawn_background(sweep)
-    previous = signal.signal(signal.SIGTERM, _raise_stopped) if _main_thread() else None
-    try:
-        with DriverLock(sweep.folder):
-            driver = Driver(sweep, cells, executor, run_fn, out, poll_s)
-            return driver.run(detach=detach, retry_failed=retry_failed, report=report)
-    except DriverBusy as e:
-        print(f"sweep run: {e}", file=out or sys.stderr)
-        return 3
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
+    with stop_on_sigterm():
+        try:
+            with DriverLock(sweep.folder):
+                driver = Driver(sweep, cells, executor, run_fn, out, poll_s)
+                return driver.run(detach=detach, retry_failed=retry_failed, report=report)
+        except DriverBusy as e:
+            print(f"sweep run: {e}", file=out or sys.stderr)
+            return 3

@@ -67,6 +67,7 @@ class CellJob(submitit.helpers.Checkpointable):
 
     def __call__(self, config: dict[str, Any]) -> Any:
         cfg = run_config_from_dict(config, where="cell job")
+        _say_start(cfg)
         try:
             return (self.run_fn or core_run)(cfg)
         except SystemExit:
@@ -85,6 +86,18 @@ class CellJob(submitit.helpers.Checkpointable):
         train.checkpoint_every steps, atomically, so nothing in this process needs saving."""
         self._requeued = True
         return submitit.helpers.DelayedSubmission(CellJob(self.run_fn), config)
+
+
+def _say_start(cfg: RunConfig) -> None:
+    """One line in the job's log: where this attempt starts (a requeued job resumes)."""
+    import os
+
+    from fp8rl_core.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    print(f"cell job: run {cfg.tracking.run_id}, {'resuming from ' + found.name if found else 'starting'}"
+          f" (SLURM_RESTART_COUNT={restarts})", flush=True)
 
 
 def warm_start_stage(configs: list[dict[str, Any]]) -> list[str]:

@@ -53,7 +53,6 @@ class Monitor:
             self.submit_some()
             if self.queue or self.active:
                 time.sleep(self.d.poll_s)
-        self.render({}, force=True)
 
     def poll(self) -> dict[str, str]:
         by_kind: dict[str, list[JobHandle]] = {}
@@ -79,6 +78,7 @@ class Monitor:
         """The cell's job ended: finished, to retry, or failed for good."""
         rec = self.d.state.record(cid)
         status = mlflow.get(cid)
+        self.d.changes += 1
         if survey.settle(rec, status, None):
             self.d._end_stale_run(rec, status)
         action = survey.decide(status, rec, None, self.d.retries)
@@ -95,7 +95,7 @@ class Monitor:
             self.failed.add(cid)
 
     # ---- progress ----------------------------------------------------------------------------------
-    def render(self, states: dict[str, str], force: bool = False) -> None:
+    def render(self, states: dict[str, str]) -> None:
         running = {cid: h for cid, h in self.active.items() if states.get(h.job_id) == "running"}
         pending = len(self.queue) + len(self.active) - len(running)
         steps = {cid: cell_step(self.d.sweep.folder / CELLS_SUBFOLDER / cid) for cid in self.active}
@@ -105,7 +105,7 @@ class Monitor:
         key = (f"{len(self.d.cells)} cells: {pending} pending, {len(running)} running, {len(self.finished)} done, "
                f"{len(self.failed)} failed" + (f" | {shown}{more}" if shown else ""))
         now = time.time()
-        if not force and key == self._last_key and now - self._last_print < PROGRESS_EVERY_S:
+        if key == self._last_key and now - self._last_print < PROGRESS_EVERY_S:
             return
         remaining = sum(c.config.train.steps for c in self.queue) + sum(
             self.d.by_id[cid].config.train.steps - max(0, s.step) for cid, s in steps.items())

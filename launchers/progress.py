@@ -15,7 +15,9 @@ from pathlib import Path
 from fp8rl_core.tracking import METRICS_FILE
 
 TAIL_BYTES = 16384
+_REPO = Path(__file__).resolve().parents[1]
 # Lines a log carries that say nothing about the error: submitit's own logger, tqdm bars.
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 _NOISE = re.compile(r"^(submitit (INFO|WARNING|ERROR|DEBUG) |srun: |\s*\d+%\|)")
 
 
@@ -70,17 +72,33 @@ def cell_step(cell_dir: Path) -> StepInfo:
 
 
 def error_tail(log_path: str | Path | None, n: int = 3, max_chars: int = 600) -> str | None:
-    """The last `n` meaningful lines of a job's stderr log (the exception is the last of them)."""
+    """What a failed job's stderr log says went wrong, on one line.
+
+    With a Python traceback: its last line (the exception) and where it was raised,
+    `RuntimeError: boom (at fp8rl_core/run.py:97 in run)`; else the last `n` meaningful lines."""
     if not log_path:
         return None
     lines = [ln.rstrip() for ln in _tail_lines(Path(log_path), 65536)]
     lines = [ln for ln in lines if ln.strip() and not _NOISE.match(ln)]
     if not lines:
         return None
-    # Prefer the traceback's end: from the last "Traceback" on, keep its last n lines.
     starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")]
-    tail = lines[starts[-1]:] if starts else lines
-    return " | ".join(ln.strip() for ln in tail[-n:])[-max_chars:]
+    if not starts:
+        return " | ".join(ln.strip() for ln in lines[-n:])[-max_chars:]
+    tb = lines[starts[-1]:]
+    exc_i = max((i for i, ln in enumerate(tb) if not ln.startswith(" ") and i > 0), default=len(tb) - 1)
+    frames = [_FRAME.match(ln) for ln in tb[:exc_i]]
+    where = next((m for m in reversed(frames) if m), None)
+    at = f" (at {_short(where.group(1))}:{where.group(2)} in {where.group(3)})" if where else ""
+    return (" ".join(ln.strip() for ln in tb[exc_i:exc_i + 2]) + at)[-max_chars:]
+
+
+def _short(path: str) -> str:
+    """A repo-relative path when the file is ours (on this machine), else the file name."""
+    try:
+        return str(Path(path).relative_to(_REPO))
+    except ValueError:
+        return Path(path).name
 
 
 def eta_seconds(remaining_steps: int, rates: list[float], parallel: int) -> float | None:

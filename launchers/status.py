@@ -74,12 +74,12 @@ def collect(sweep: Sweep) -> tuple[list[Cell], list[dict[str, Any]], SweepState 
     """One row per cell: id, params, state, step, job, error."""
     state = load_state(sweep.folder)
     cells = sweep_cells(sweep, state)
-    mlflow = mlflow_states(sweep)
     jobs: dict[str, str] = {}
-    if state is not None:
+    if state is not None:  # the scheduler first: a job seen ended has written its run's final status
         from launchers.cancel import _executors
 
         jobs = survey.poll_attempts(state.open_attempts(), _executors(sweep))
+    mlflow = mlflow_states(sweep)
     rows = []
     for cell in cells:
         rec = copy.deepcopy(state.cells.get(cell.id)) if state else None  # settled in memory only

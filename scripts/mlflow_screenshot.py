@@ -52,8 +52,8 @@ def _chromium(browser: str, url: str, action: list[str], budget_ms: int, size: t
 
 def capture(browser: str, url: str, png: Path, budget_ms: int = 20000, size: tuple[int, int] = (1600, 1000)) -> Path:
     """Screenshot `url` into `png`, and its rendered DOM into `png.with_suffix('.html')`."""
-    _chromium(browser, url, [f"--screenshot={png}"], budget_ms, size)
-    png.with_suffix(".html").write_text(_chromium(browser, url, ["--dump-dom"], budget_ms, size))
+    dom = _chromium(browser, url, [f"--screenshot={png}", "--dump-dom"], budget_ms, size)  # one page load, both
+    png.with_suffix(".html").write_text(dom)
     return png
 
 

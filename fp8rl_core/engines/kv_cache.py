@@ -1,4 +1,5 @@
-"""The generation engine's preallocated KV cache and the two attention kernels that read it.
+"""The generation engine's preallocated KV cache, how prompts fill it, and the two attention kernels
+that read it.
 
 Shapes: B rows, S cache slots (prompt + new tokens), T prompt length (left-padded), Hq query heads,
 Hkv key/value heads (grouped-query attention: Hq = G * Hkv), D head dim.
@@ -6,8 +7,8 @@ Hkv key/value heads (grouped-query attention: Hq = G * Hkv), D head dim.
 Layout: keys and values of one layer live in `k[l], v[l]`: [B, Hkv, S, D], allocated (zeroed) once per
 `generate` call. A prompt of length L fills slots [T - L, T) (left padding; the padded slots stay zero,
 so that masked scores and values are finite); decode step s writes slot T + s. Every row writes the
-same slot at the same step, so one additive bias [B, 1, 1, S] (-inf on a row's padding) is all the
-decode attention needs.
+same slot at the same step, so one additive bias [B, 1, 1, S] (KVCache.visible) is all the decode
+attention needs.
 
 Kernels, as an inference engine has them (vLLM: flash-attention varlen for prefill, a paged/flash-decode
 kernel for decode), not as a trainer has them:
@@ -15,8 +16,8 @@ kernel for decode), not as a trainer has them:
   mask: the dense-tensor form of a varlen prefill);
 - decode: one query per row against the cache, grouped so that the G query heads of one KV head share
   one batched matmul (no repeat of K/V); scores and softmax in FP32, probabilities cast back to the cache
-  dtype for the P@V matmul. Measured here (B=128, Hkv=2, 44 slots, BF16): 0.36 ms vs 7.2 ms for SDPA
-  with a mask.
+  dtype for the P@V matmul. Measured here (B=128, Hkv=2, 46 slots, BF16, one thread): 0.29 ms vs
+  1.05 ms for SDPA with the same additive mask.
 """
 from __future__ import annotations
 
@@ -25,38 +26,38 @@ import torch.nn.functional as F
 
 
 class KVCache:
-    """Keys and values for L layers: k[l], v[l] are [B, Hkv, S, D] buffers in `dtype`."""
+    """Keys and values for L layers: k[l], v[l] are [B, Hkv, S, D] buffers in `dtype`, zero-initialised.
+
+    visible: Float32[B, 1, 1, S], the additive attention bias of the next decode query: 0 on slots
+    written so far, -inf on a row's padding and on future slots. Decode attends over all S slots with
+    it: the whole, contiguous buffer feeds the batched matmuls (a [:, :, :t] slice has a batch stride
+    that made the CPU matmul copy K and V at every step), and the few extra masked slots cost less.
+    """
 
     def __init__(self, layers: int, batch: int, kv_heads: int, slots: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (batch, kv_heads, slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.visible = torch.full((batch, 1, 1, slots), float("-inf"), device=device)
         self.slots = slots
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, Hkv, n, D] at slots [start, start + n); return views of slots [0, start + n)."""
-        end = start + k.shape[2]
-        if end > self.slots:
-            raise IndexError(f"KVCache: slot {end - 1} beyond the {self.slots} allocated")
-        self.k[layer][:, :, start:end].copy_(k)
-        self.v[layer][:, :, start:end].copy_(v)
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
     def write_rows(self, layer: int, rows: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [R, Hkv, n, D] into batch rows Long[R] at slots [start, start + n) (prefill)."""
+        """Prefill: store k, v [R, Hkv, n, D] into batch rows Long[R] at slots [start, start + n)."""
         end = start + k.shape[2]
         if start < 0 or end > self.slots:
             raise IndexError(f"KVCache: slots [{start}, {end}) outside the {self.slots} allocated")
         self.k[layer][rows, :, start:end] = k
         self.v[layer][rows, :, start:end] = v
+        self.visible[rows, :, :, start:end] = 0.0
 
-
-def decode_bias(key_valid: torch.Tensor) -> torch.Tensor:
-    """Bool[B, S] -> Float32[B, 1, 1, S] additive bias: 0 on real slots, -inf on left padding."""
-    bias = torch.zeros(key_valid.shape, dtype=torch.float32, device=key_valid.device)
-    return bias.masked_fill_(~key_valid, float("-inf"))[:, None, None, :]
+    def write(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Decode: store k, v [B, Hkv, D] of every row at `slot`."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"KVCache: slot {slot} outside the {self.slots} allocated")
+        self.k[layer][:, :, slot] = k
+        self.v[layer][:, :, slot] = v
+        self.visible[:, :, :, slot] = 0.0
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,14 +74,33 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      bias: torch.Tensor) -> torch.Tensor:
     """One new token per row against the cache.
 
-    q [B, Hq, D]; k/v [B, Hkv, n, D] (cache slots [0, n), the new token's included);
-    bias Float32[B, 1, 1, n] (0 or -inf) -> [B, Hq * D].
+    q [B, Hq, D]; k/v [B, Hkv, S, D] (the whole cache, the new token's slot written);
+    bias Float32[B, 1, 1, S] (0 on visible slots, -inf elsewhere; KVCache.visible) -> [B, Hq * D].
     scores = (q_g k^T) / sqrt(D) + bias in FP32, p = softmax(scores), out = p v, where q_g [B, Hkv, G, D]
     groups the G = Hq / Hkv query heads that read the same KV head.
     """
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.view(b, hkv, hq // hkv, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(d ** -0.5).add_(bias)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(b, hq * d)
+    (b, hq, d), (hkv, s) = q.shape, k.shape[1:3]
+    qg = q.reshape(b * hkv, hq // hkv, d)
+    scores = torch.bmm(qg, k.view(b * hkv, s, d).transpose(1, 2)).float()  # [B*Hkv, G, S]
+    scores = scores.view(b, hkv, hq // hkv, s).mul_(d ** -0.5).add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b * hkv, hq // hkv, s)
+    return torch.bmm(probs, v.view(b * hkv, s, d)).view(b, hq * d)
+
+
+def group_prompts(prompts: list[list[int]], device: torch.device
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Distinct prompts grouped by length: [(ids Long[U, L], rows Long[R], which Long[R])], where batch
+    row rows[j] holds prompt ids[which[j]]. GRPO's G samples of one prompt share one prefill (as vLLM's
+    prefix caching does), and no group carries padding."""
+    index: dict[tuple[int, ...], int] = {}
+    groups: dict[int, tuple[list[tuple[int, ...]], list[int], list[int]]] = {}
+    for row, p in enumerate(prompts):
+        key = tuple(p)
+        uniq, rows, which = groups.setdefault(len(key), ([], [], []))
+        if key not in index:
+            index[key] = len(uniq)
+            uniq.append(key)
+        rows.append(row)
+        which.append(index[key])
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return [(as_long(u), as_long(r), as_long(w)) for _, (u, r, w) in sorted(groups.items())]

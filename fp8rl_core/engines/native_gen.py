@@ -3,16 +3,19 @@ the study's two engines; DESIGN.md "The two engines").
 
 It holds its own weight copy, rebuilt by `refit(weights)` from a Hugging Face-named state dict, and
 runs the same math as HF Llama/Qwen2 with the kernels an inference engine uses, not a trainer's:
-- fused projections: one [q|k|v] GEMM and one [gate|up] GEMM per layer (weights concatenated at refit);
+- fused projections: one [q|k|v] GEMM and one [gate|up] GEMM per layer (weights concatenated at refit;
+  BF16 weights on the CPU prepacked once into oneDNN's layout, bitwise the same results);
 - fused residual-add + RMSNorm (`add_rms_norm`): the residual stream is updated in place and normalised
   by torch's fused `rms_norm` kernel, which multiplies by the weight in FP32 before the single rounding
   (HF and the training engine round x/rms to the dtype first, then multiply);
 - a RoPE cos/sin cache computed once (FP32, HF's rotate_half layout, cast to the dtype), gathered by
-  position; rotate_half is a `roll` times a sign-folded sin;
-- a preallocated KV cache: prefill with SDPA, then one-token decode steps with a grouped-query kernel
-  (kv_cache.py); only the last position goes through the LM head during generation;
-- left padding inside the engine (position ids count real tokens only, padded keys masked), so a
-  prompt's logits do not depend on its batch-mates (up to GEMM blocking numerics).
+  position; rotate_half is a `roll` times a sign-folded sin, applied to q and k in one pass;
+- prefill of each distinct prompt once (GRPO's G samples share it, like vLLM's prefix caching), in
+  groups of equal length: no padding, causal SDPA without a mask (a dense varlen prefill);
+- a preallocated KV cache, left-padded (positions count real tokens only, padded slots masked), then
+  one-token decode steps for the whole batch with a grouped-query kernel (kv_cache.py); only the last
+  position goes through the LM head. A prompt's results do not depend on its batch-mates beyond GEMM
+  blocking numerics.
 
 FP8 (fp8=True): every linear of the transformer blocks (except the first/last N blocks kept in the
 dtype, Fp8Spec.bf16_first_layers / bf16_last_layers) is quantized [128, 128] once per refit from the
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 
 from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
-from fp8rl_core.engines.kv_cache import KVCache, decode_attention, decode_bias, prefill_attention
+from fp8rl_core.engines.kv_cache import KVCache, decode_attention, group_prompts, prefill_attention
 from fp8rl_core.engines.sampling import sample_next, validate_sampling
 from fp8rl_core.fp8 import Fp8Weight, fp8_linear, quantize_weight
 from fp8rl_core.model.config import ModelConfig
@@ -271,12 +274,11 @@ class NativeGenerationEngine:
 
             yield rows, which, self._forward(ids, torch.arange(ids.shape[1], device=self.device), attend)
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, cache: KVCache,
-                bias: torch.Tensor) -> torch.Tensor:
-        """tokens, positions Long[B] at cache slot `slot` -> hidden [B, hidden]; bias Float32[B, 1, 1, S]."""
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, cache: KVCache) -> torch.Tensor:
+        """tokens, positions Long[B] written at cache slot `slot` -> hidden [B, hidden]."""
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values = cache.write(i, slot, k[:, :, None], v[:, :, None])
-            return decode_attention(q, keys, values, bias[..., :slot + 1])
+            cache.write(i, slot, k, v)
+            return decode_attention(q, cache.k[i], cache.v[i], cache.visible)
 
         return self._forward(tokens, positions, attend)
 
@@ -284,7 +286,7 @@ class NativeGenerationEngine:
         if not self.blocks:
             raise RuntimeError("NativeGenerationEngine: no weights; call refit(weights) first")
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill-only forward (the path `generate` prefills with), for tests and scoring.
 
@@ -320,7 +322,7 @@ class NativeGenerationEngine:
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(f"prompts: token ids must lie in [0, {self.config.vocab_size}), got [{low}, {high}]")
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample up to sampling.max_new_tokens tokens after each prompt (see GenerationOutput).
 
@@ -341,8 +343,6 @@ class NativeGenerationEngine:
             last[rows] = hidden[which, -1]
         logits = F.linear(last, self.lm_head)
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        slots = torch.arange(width + steps, device=dev)
-        bias = decode_bias(slots[None, :] >= (width - lengths)[:, None])  # left padding masked
         out_ids = torch.full((b, steps), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((b, steps), dtype=torch.float32, device=dev)
         out_mask = torch.zeros((b, steps), dtype=torch.bool, device=dev)
@@ -358,27 +358,8 @@ class NativeGenerationEngine:
             taken = step + 1
             if taken == steps or bool(done.all()):
                 break
-            logits = F.linear(self._decode(tokens, lengths + step, width + step, cache, bias), self.lm_head)
+            logits = F.linear(self._decode(tokens, lengths + step, width + step, cache), self.lm_head)
         return GenerationOutput(out_ids[:, :taken], out_mask[:, :taken], out_lp[:, :taken], done.clone())
-
-
-def group_prompts(prompts: list[list[int]], device: torch.device
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Distinct prompts grouped by length: [(ids Long[U, L], rows Long[R], which Long[R])], where batch
-    row rows[j] holds prompt ids[which[j]]. GRPO's G samples of one prompt share one prefill (as vLLM's
-    prefix caching does), and no group carries padding."""
-    index: dict[tuple[int, ...], int] = {}
-    groups: dict[int, tuple[list[tuple[int, ...]], list[int], list[int]]] = {}
-    for row, p in enumerate(prompts):
-        key = tuple(p)
-        uniq, rows, which = groups.setdefault(len(key), ([], [], []))
-        if key not in index:
-            index[key] = len(uniq)
-            uniq.append(key)
-        rows.append(row)
-        which.append(index[key])
-    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-    return [(as_long(u), as_long(r), as_long(w)) for _, (u, r, w) in sorted(groups.items())]
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -413,8 +394,9 @@ def check_state_dict(weights: Mapping[str, torch.Tensor], expected: dict[str, tu
     extra = sorted(k for k in weights if k not in expected
                    and not (tied and k == "lm_head.weight") and not k.endswith("rotary_emb.inv_freq"))
     if missing or extra:
-        raise KeyError(f"refit: state dict does not match the model config; missing: {missing[:8]}"
-                       f"{' ...' if len(missing) > 8 else ''}; unexpected: {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+        more = lambda names: f"{names[:8]}{' ...' if len(names) > 8 else ''}"  # noqa: E731
+        raise KeyError(f"refit: state dict does not match the model config; missing: {more(missing)}; "
+                       f"unexpected: {more(extra)}")
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:
             raise ValueError(f"refit: {name} has shape {tuple(weights[name].shape)}, expected {shape}")

@@ -100,6 +100,8 @@ def available_executors(device: torch.device) -> list[str]:
 
 
 def run(name: str, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    if a.q.device.type != "cuda":
+        raise ValueError(f"executor {name!r} needs CUDA tensors, got {a.q.device}; use 'emulated'")
     if name == "scaled_mm":
         return run_scaled_mm(a, b, out_dtype)
     raise NotImplementedError(

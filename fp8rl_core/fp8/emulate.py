@@ -5,7 +5,9 @@ E4M3 values, and both are within the FP32 rounding bound of the exact (float64) 
 
 - "emulated" (default): one FP32 GEMM of the dequantized operands, A_hat = QA * sa and B_hat = QB * sb
   (each element rounded once to FP32), accumulated over all of K in FP32.
-      |C - C_exact| <= (K + 2) * 2**-24 * (|A_hat| @ |B_hat|^T)
+      |C - C_exact| <= (K + 4) * 2**-24 * C_abs,   C_abs = sum_kb |sa||sb| (|QA_kb| @ |QB_kb|^T)
+  Mathematically the same sum; only the FP32 rounding order differs from DeepSeek's kernel (as it
+  does between GPU kernels, whose in-block accumulation is even coarser).
   It costs one FP32 GEMM: on these CPUs there is no BF16 x BF16 -> FP32 matmul in torch, and a BF16
   output is rounded to 8 bits, so no BF16 matmul can give FP32-accurate sums.
 - "emulated_blockwise": DeepSeek's fp8_gemm order literally: per K-block, an FP32 GEMM of the raw
@@ -21,7 +23,6 @@ from typing import Iterator
 
 import torch
 
-from fp8rl_core.fp8.kernels import e4m3_to_float
 from fp8rl_core.fp8.operand import Operand
 
 
@@ -65,7 +66,7 @@ def _row_scales(op: Operand) -> torch.Tensor:
 def blockwise_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """DeepSeek order: C += (QA_kb @ QB_kb^T) * sa_kb[:, None] * sb_kb[None, :], all in FP32."""
     (m, k), n, bk = a.q.shape, b.q.shape[0], a.block[1]
-    qa, qb = e4m3_to_float(a.q), e4m3_to_float(b.q)
+    qa, qb = a.q.float(), b.q.float()
     sa, sb = _row_scales(a), _row_scales(b)
     out = torch.zeros(m, n, dtype=torch.float32, device=a.q.device)
     part = torch.empty_like(out)

@@ -5,9 +5,9 @@ Set FP8RL_COMPILE=1 (or call `set_compile(True)`) to run them through torch.comp
 the first call of each kernel compiles for ~30-60 s here, later processes reuse Inductor's disk cache).
 Compiled and eager kernels give bit-identical results (tested).
 
-Eager kernels use the fewest ops (native float8 casts). Compiled kernels (fused=True) round to E4M3
-arithmetically (`round_to_e4m3`) and decode by bit manipulation (`e4m3_to_float`), because the
-native float8 -> float32 conversion is scalar (slow) on CPUs even when compiled.
+Measured here: compiled, the quantizer fuses into ~2 passes (about 2x a copy of the input), while
+float8 -> float32 decoding stays slow (no vector instruction for it on these CPUs; an arithmetic
+rounding/decoding by bit manipulation was tried and was slower than the native casts).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 # A nonzero block's scale never goes below FP32's smallest normal: a block of amax < 448 * 2**-126
 # (~5e-36) would otherwise get a subnormal or zero scale (x / 0 = inf). Irrelevant for real tensors.
 MIN_SCALE = 2.0**-126
-_E4M3_MIN_NORMAL_EXP = -6  # E4M3 normals start at 2**-6; below, subnormals on a grid of 2**-9
 
 
 def block_scales(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
@@ -38,62 +37,29 @@ def block_scales(amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, amax)  # NaN/inf reach the scale: the finiteness check
 
 
-def round_to_e4m3(v: torch.Tensor) -> torch.Tensor:
-    """Round FP32 values in [-448, 448] to the nearest E4M3 value (ties to even), staying in FP32.
-
-    ulp = 2**(e - 3) for |v| in [2**e, 2**(e+1)) (3 mantissa bits), and 2**-9 below 2**-6 (subnormals).
-    v / ulp and r * ulp are exact (powers of two), and torch.round rounds half to even.
-    """
-    exp_field = (v.view(torch.int32) >> 23) & 0xFF  # biased FP32 exponent of v
-    ulp_field = torch.clamp_min(exp_field, 127 + _E4M3_MIN_NORMAL_EXP) - 3
-    ulp = (ulp_field << 23).view(torch.float32)
-    return torch.round(v / ulp) * ulp
-
-
 def quantize_blocks(
-    xb: torch.Tensor, power_of_two: bool, want_dequant: bool, fused: bool = False
+    xb: torch.Tensor, power_of_two: bool, want_dequant: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """xb [Mb, br, Nb, bc] (fp32/bf16/fp16) -> (q E4M3 like xb, scale FP32 [Mb, Nb], deq FP32 or None).
 
-    q = clamp(x / scale, -448, 448) rounded to E4M3 (x upcast to FP32, true division); deq = q * scale.
-    NaN/inf in a block propagate into its scale, so the caller checks finiteness on the small scale.
-    fused=False uses the fewest eager ops (native float8 casts); fused=True the arithmetic rounding
-    that torch.compile fuses into one vectorized pass. Both give the same bits (tested).
+    q = clamp(x / scale, -448, 448) cast to E4M3 (x upcast to FP32, true division, round to nearest
+    even); deq = q * scale. NaN/inf in a block propagate into its scale, so the caller checks
+    finiteness on the small scale tensor.
     """
     amax = xb.abs().amax(dim=(1, 3)).float()
     scale = block_scales(amax, power_of_two)
     scale_b = scale[:, None, :, None]
-    v = torch.clamp(xb / scale_b, -E4M3_MAX, E4M3_MAX)  # type promotion: computed in FP32
-    if fused:
-        r = round_to_e4m3(v)
-        return r.to(FP8_DTYPE), scale, (r * scale_b if want_dequant else None)
-    q = v.to(FP8_DTYPE)
+    q = (xb / scale_b).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)  # type promotion: divides in FP32
     return q, scale, (q.float().mul_(scale_b) if want_dequant else None)
 
 
-def dequantize_blocks(
-    qb: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32, fused: bool = False
-) -> torch.Tensor:
+def dequantize_blocks(qb: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """qb [Mb, br, Nb, bc] E4M3, scale [Mb, Nb] -> q * scale, computed in FP32, cast to out_dtype."""
-    x = (e4m3_to_float(qb) if fused else qb.float()) * scale[:, None, :, None]
+    x = qb.float().mul_(scale[:, None, :, None])  # in place: fresh memory is the slow part here
     return x if out_dtype == torch.float32 else x.to(out_dtype)
 
 
-def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
-    """E4M3 -> FP32 by bit manipulation (vectorizes; the native float8 conversion is scalar on CPUs).
-
-    bits seeeemmm: normal (e > 0) = 2**(e-7) * (1 + m/8); subnormal (e == 0) = m * 2**-9; 0x7f/0xff is NaN.
-    """
-    b = q.view(torch.uint8).to(torch.int32)
-    sign = (b & 0x80) << 24
-    e, m = (b >> 3) & 0xF, b & 0x7
-    normal = (sign | ((e + 120) << 23) | (m << 20)).view(torch.float32)
-    sub = (m.to(torch.float32) * 2.0**-9) * torch.where(sign != 0, -1.0, 1.0)
-    out = torch.where(e == 0, sub, normal)
-    return torch.where((b & 0x7F) == 0x7F, float("nan"), out)
-
-
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[tuple, Callable] = {}
 _compile_enabled = os.environ.get("FP8RL_COMPILE", "0") not in ("", "0", "false", "False")
 
 
@@ -108,9 +74,14 @@ def compile_enabled() -> bool:
 
 
 def kernel(fn: Callable) -> Callable:
-    """fn eagerly, or its torch.compile'd twin (built once, dynamic shapes, fused=True) when compiling."""
-    if not _compile_enabled:
-        return fn
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = functools.partial(torch.compile(fn, dynamic=True), fused=True)
-    return _COMPILED[fn.__name__]
+    """fn eagerly, or a torch.compile'd twin (dynamic shapes) when compiling is on."""
+    return functools.partial(_compiled_call, fn) if _compile_enabled else fn
+
+
+def _compiled_call(fn: Callable, *args):
+    """One compiled graph per (kernel, flags, dtypes), each with its own recompile budget; tensors are
+    detached first (quantization is not differentiated; requires_grad would force recompiles)."""
+    key = (fn.__name__,) + tuple(a.dtype if isinstance(a, torch.Tensor) else a for a in args)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, dynamic=True)
+    return _COMPILED[key](*(a.detach() if isinstance(a, torch.Tensor) else a for a in args))

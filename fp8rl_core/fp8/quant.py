@@ -77,6 +77,7 @@ def quantize_2d(
     if x2.dtype not in _INPUT_DTYPES:
         raise ValueError(f"{name}: dtype {x2.dtype} not supported; allowed: float32, bfloat16, float16")
     (m, n), block = x2.shape, check_block(block)
+    x2 = x2.detach()  # quantization is not differentiated (Fp8Linear defines its own backward)
     qb, scale, deqb = kernel(quantize_blocks)(to_blocks(x2, block), power_of_two, want_dequant)
     if check_finite and not bool(torch.isfinite(scale).all()):
         raise ValueError(f"{name}: non-finite values (NaN or inf) in a tensor to quantize, shape {tuple(x2.shape)}")

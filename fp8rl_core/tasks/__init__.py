@@ -19,7 +19,8 @@ def _arithmetic(spec: Any) -> Task:
     return ArithmeticTask(digits=spec.digits, min_digits=spec.min_digits, operators=tuple(spec.operators),
                           val_size=spec.val_size, data_seed=spec.data_seed,
                           warmstart_digits=spec.warmstart_digits,
-                          warmstart_full_fraction=spec.warmstart_full_fraction)
+                          warmstart_full_fraction=spec.warmstart_full_fraction,
+                          warmstart_label_noise=spec.warmstart_label_noise)
 
 
 def _jsonl(spec: Any) -> Task:

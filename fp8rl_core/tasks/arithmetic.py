@@ -11,6 +11,13 @@ easy): `warmstart_sample` draws operands of at most `warmstart_digits` digits, e
 `warmstart_full_fraction` of examples drawn from the RL distribution. E.g. digits=3, warmstart_digits=2,
 warmstart_full_fraction=0.05 leaves the 3-digit operands mostly unseen before RL: the policy starts with
 a non-zero reward (the short-operand prompts) and room to climb (the long ones).
+
+Label noise (the default study's choice): `warmstart_label_noise` is the probability that a warm-start
+target has one digit replaced by another digit, as in noisy human demonstrations. The warm-started
+policy then knows the answer (its greedy mode is mostly right) but samples a corrupted one often, so
+pass@1 at the rollout temperature starts well below its greedy accuracy; the verifier's exact-match
+reward teaches RL to stop corrupting, a behaviour that generalizes across prompts and so shows up on
+the held-out set within tens of steps (measured numbers in README.md).
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ class ArithmeticTask(Task):
 
     def __init__(self, digits: int = 3, min_digits: int = 1, operators: Sequence[str] = ("+", "-"),
                  val_size: int = 128, data_seed: int = 1234, warmstart_digits: int | None = None,
-                 warmstart_full_fraction: float = 0.0):
+                 warmstart_full_fraction: float = 0.0, warmstart_label_noise: float = 0.0):
         if not 1 <= min_digits <= digits <= 9:
             raise ValueError(f"task.digits: need 1 <= min_digits <= digits <= 9, got {min_digits}..{digits}")
         bad = [op for op in operators if op not in OPERATORS]
@@ -50,7 +57,10 @@ class ArithmeticTask(Task):
             raise ValueError(f"task.val_size: {val_size} held-out prompts of {space} possible; need "
                              f"1 <= val_size <= {space // 4} so that most prompts stay for training")
         self.digits, self.min_digits, self.operators = digits, min_digits, tuple(operators)
+        if not 0.0 <= warmstart_label_noise <= 1.0:
+            raise ValueError(f"task.warmstart_label_noise: must be in [0, 1], got {warmstart_label_noise}")
         self.warmstart_digits, self.warmstart_full_fraction = wd, warmstart_full_fraction
+        self.warmstart_label_noise = warmstart_label_noise
         self.data_seed = data_seed
         self.val_examples = self._make_val(val_size, random.Random(data_seed))
         self._val_prompts = frozenset(e.prompt for e in self.val_examples)
@@ -89,11 +99,21 @@ class ArithmeticTask(Task):
         return [self._draw_train(rnd, self.digits) for _ in range(n)]
 
     def warmstart_sample(self, rng: Rng, n: int) -> list[Example]:
-        if self.warmstart_digits == self.digits:
-            return self.sample_train(rng, n)
         rnd = as_random(rng)
         out = []
         for _ in range(n):
-            full = rnd.random() < self.warmstart_full_fraction
-            out.append(self._draw_train(rnd, self.digits if full else self.warmstart_digits))
+            # draw the coin flips only for knobs in use, so that without them this is sample_train
+            full = self.warmstart_digits == self.digits or rnd.random() < self.warmstart_full_fraction
+            ex = self._draw_train(rnd, self.digits if full else self.warmstart_digits)
+            if self.warmstart_label_noise > 0 and rnd.random() < self.warmstart_label_noise:
+                ex = Example(ex.prompt, corrupt_digit(ex.answer, rnd))
+            out.append(ex)
         return out
+
+
+def corrupt_digit(answer: str, rnd: random.Random) -> str:
+    """`answer` with one of its digits replaced by a different digit, e.g. "168" -> "148"."""
+    positions = [i for i, c in enumerate(answer) if c.isdigit()]
+    i = rnd.choice(positions)
+    new = rnd.choice([d for d in "0123456789" if d != answer[i]])
+    return answer[:i] + new + answer[i + 1:]

@@ -252,9 +252,9 @@ class MlflowSink:
             return
         m, p, t = chunk.metrics, chunk.params, chunk.tags
         while m or p or t:  # a record bigger than one batch: several calls
-            bm, bp = m[:MAX_METRICS], p[:MAX_PARAMS_TAGS]
-            bt = t[: min(MAX_PARAMS_TAGS, MAX_ENTITIES - len(bm) - len(bp))]
-            bm = bm[: MAX_ENTITIES - len(bp) - len(bt)]
+            bp = p[:MAX_PARAMS_TAGS]
+            bt = t[:MAX_PARAMS_TAGS]
+            bm = m[: min(MAX_METRICS, MAX_ENTITIES - len(bp) - len(bt))]  # all three count towards 1000
             self.client.log_batch(self.run_id, metrics=bm, params=bp, tags=bt, synchronous=True)
             self.batches += 1
             self.shipped += len(bm)

@@ -44,8 +44,8 @@ class Executor(Protocol):
         """How many more jobs may be submitted now, with `running` of ours alive."""
         ...
 
-    def submit(self, tasks: Sequence[Task], after: str | None = None) -> list[JobHandle]:
-        """Start `tasks` as one batch (one SLURM array); `after`: a job id they wait for (afterok)."""
+    def submit(self, tasks: Sequence[Task], dependency: str | None = None) -> list[JobHandle]:
+        """Start `tasks` as one batch (one SLURM array); `dependency`: sbatch's, e.g. afterok:123."""
         ...
 
     def poll(self, handles: Sequence[JobHandle]) -> dict[str, str]:

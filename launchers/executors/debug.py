@@ -27,7 +27,7 @@ class DebugExecutor:
     def slots(self, running: int) -> int:
         return 1  # submit blocks: one task per tick keeps the driver's progress output alive
 
-    def submit(self, tasks: Sequence[Task], after: str | None = None) -> list[JobHandle]:
+    def submit(self, tasks: Sequence[Task], dependency: str | None = None) -> list[JobHandle]:
         handles = []
         for task in tasks:
             job_id = f"debug-{os.getpid()}-{next(self._ids)}"  # unique across drivers

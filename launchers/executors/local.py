@@ -45,7 +45,7 @@ class LocalExecutor:
 
         self.folder = Path(folder)
         self.max_parallel = max_parallel
-        self._ex = submitit.LocalExecutor(folder=self.folder / "jobs" / "%j")
+        self._ex = submitit.LocalExecutor(folder=self.folder / "jobs")  # files named by job id
         self._ex.update_parameters(timeout_min=NO_TIME_LIMIT_MIN, signal_delay_s=signal_delay_s)
         self._jobs: dict[str, Any] = {}  # job_id -> submitit LocalJob (its Popen), for jobs we started
         self._cancelled: set[str] = set()
@@ -53,9 +53,9 @@ class LocalExecutor:
     def slots(self, running: int) -> int:
         return max(0, self.max_parallel - running)
 
-    def submit(self, tasks: Sequence[Task], after: str | None = None) -> list[JobHandle]:
-        if after is not None:
-            raise ValueError("the local executor runs stages in order itself; `after` is for SLURM")
+    def submit(self, tasks: Sequence[Task], dependency: str | None = None) -> list[JobHandle]:
+        if dependency is not None:
+            raise ValueError("the local executor runs stages in order itself; dependencies are for SLURM")
         handles = []
         for task in tasks:
             job = self._ex.submit(task.fn, *task.args)

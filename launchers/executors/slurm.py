@@ -80,25 +80,25 @@ class SlurmExecutor:
     def slots(self, running: int) -> int:
         return 1_000_000  # SLURM queues them; the array's %max_parallel limits what runs at once
 
-    def _executor(self, after: str | None) -> Any:
+    def _executor(self, dependency: str | None) -> Any:
         import submitit
 
         cls = self._factory or submitit.SlurmExecutor
         ex = cls(folder=self.submission.folder, python=self.submission.python)
         params = dict(self.submission.parameters)
-        if after:
+        if dependency:
             extra = dict(params.get("additional_parameters") or {})
-            dep = f"afterok:{after}"
+            dep = dependency
             extra["dependency"] = f"{extra['dependency']},{dep}" if extra.get("dependency") else dep
             extra["kill-on-invalid-dep"] = "yes"
             params["additional_parameters"] = extra
         ex.update_parameters(**params)
         return ex
 
-    def submit(self, tasks: Sequence[Task], after: str | None = None) -> list[JobHandle]:
+    def submit(self, tasks: Sequence[Task], dependency: str | None = None) -> list[JobHandle]:
         if not tasks:
             return []
-        ex = self._executor(after)
+        ex = self._executor(dependency)
         with ex.batch():  # one sbatch: an array when len(tasks) > 1
             jobs = [ex.submit(t.fn, *t.args) for t in tasks]
         self.sbatch_calls += 1

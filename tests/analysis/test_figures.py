@@ -84,3 +84,13 @@ def test_single_seed_has_no_band_and_says_so():
     fig = accuracy_figure(data)
     assert not [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]
     assert "over 1 seed)" in _texts(fig) and "no band where fewer than 2" in _texts(fig)
+
+
+def test_no_values_yet_still_draws(tmp_path):
+    runs = synthetic_runs(seeds=2, steps=3)
+    for r in runs:
+        del r.metrics["val_accuracy"]
+    paths = make_figures(SweepData("u", "1", "early", None, runs), tmp_path)
+    assert all(p.exists() for ps in paths.values() for p in ps)
+    fig = accuracy_figure(SweepData("u", "1", "early", None, runs))
+    assert "no values logged yet" in _texts(fig)

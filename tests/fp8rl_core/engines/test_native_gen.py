@@ -97,6 +97,29 @@ def test_decode_logprobs_equal_full_sequence_recomputation():
         torch.testing.assert_close(out.logprobs[row].double(), expect, rtol=0, atol=1e-5)
 
 
+def test_kv_cache_decode_logits_equal_full_sequence_logits():
+    """White-box: prefill into the cache, teacher-force 6 tokens through the decode path, and compare
+    every step's full logits vector with one prefill over the whole sequence (FP32, left padding)."""
+    import torch.nn.functional as F
+    from fp8rl_core.engines.kv_cache import KVCache
+
+    cfg = ModelConfig(**SMALL)
+    engine = engine_for(hf_model(cfg), cfg)
+    prompts, steps = [PROMPTS[1], PROMPTS[2]], 6
+    forced = torch.randint(0, cfg.vocab_size, (2, steps), generator=torch.Generator().manual_seed(5))
+    width = max(map(len, prompts))
+    cache = KVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, width + steps, cfg.head_dim,
+                    torch.float32, "cpu")
+    with torch.no_grad():
+        list(engine._prefill(prompts, cache, width))
+        lengths = torch.tensor([len(p) for p in prompts])
+        decoded = [F.linear(engine._decode(forced[:, s], lengths + s, width + s, cache), engine.lm_head)
+                   for s in range(steps)]
+    for row, p in enumerate(prompts):
+        full = engine.logits(torch.tensor([p + forced[row].tolist()]))[0, len(p):]
+        assert rel_err(torch.stack([d[row] for d in decoded]), full) <= 1e-5
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_greedy_equals_transformers_generate(model_type):
     cfg = ModelConfig(**SMALL, model_type=model_type, attention_bias=model_type == "qwen2", eos_token_id=None)
@@ -157,8 +180,8 @@ def test_eos_stops_rows_masks_and_ends_early():
         assert out.response_ids[row, :n_valid].tolist() == free.response_ids[row, :n_valid].tolist()
         assert (out.response_ids[row, n_valid:] == 0).all() and (out.logprobs[row, n_valid:] == 0).all()
         assert (out.logprobs[row, :n_valid] < 0).all()
-    if out.finished.all():  # the loop stops once every row is done
-        assert out.response_ids.shape[1] == int(out.response_mask.sum(1).max()) < 10
+    alone = engine_for(model, cfg).generate(PROMPTS[:1], SamplingParams(max_new_tokens=10, greedy=True))
+    assert alone.response_ids.shape[1] == 3 and alone.finished.all()  # the loop stops once all rows are done
 
 
 def test_row_results_do_not_depend_on_batch_mates():
@@ -170,6 +193,24 @@ def test_row_results_do_not_depend_on_batch_mates():
         alone = engine.generate([p], sp)
         assert alone.response_ids[0].tolist() == batch.response_ids[row].tolist()
         torch.testing.assert_close(alone.logprobs[0], batch.logprobs[row], rtol=0, atol=1e-5)
+
+
+def test_repeated_prompts_share_one_prefill():
+    from fp8rl_core.engines.kv_cache import group_prompts
+
+    prompts = [PROMPTS[0], [2, 9, 9, 9, 1], PROMPTS[1], PROMPTS[0], [2, 9, 9, 9, 1], PROMPTS[0]]
+    groups = group_prompts(prompts, torch.device("cpu"))
+    assert [tuple(g[0].shape) for g in groups] == [(1, 2), (2, 5)]  # by length; duplicates once
+    for ids, rows, which in groups:
+        for r, w in zip(rows.tolist(), which.tolist()):
+            assert ids[w].tolist() == prompts[r]
+    cfg = ModelConfig(**SMALL, eos_token_id=None)
+    engine = engine_for(hf_model(cfg), cfg)
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=5, greedy=True))
+    for row, p in enumerate(prompts):
+        alone = engine.generate([p], SamplingParams(max_new_tokens=5, greedy=True))
+        assert out.response_ids[row].tolist() == alone.response_ids[0].tolist()
+        torch.testing.assert_close(out.logprobs[row], alone.logprobs[0], rtol=0, atol=1e-5)
 
 
 def test_seeded_sampling_is_deterministic():

@@ -115,6 +115,13 @@ def test_select_executor(monkeypatch):
         select_executor("cpu")
 
 
+def test_hardware_executors_refuse_cpu_tensors():
+    qa, sa, qb, sb = make_operands(4, 4, 128, (128, 128))
+    for name in ("scaled_mm", "te"):
+        with pytest.raises(ValueError, match="CUDA"):
+            blockwise_scaled_mm(qa, sa, qb, sb, block_a=(1, 128), block_b=(128, 128), executor=name)
+
+
 def test_operand_validation():
     qa, sa, qb, sb = make_operands(4, 4, 256, (128, 128))
     with pytest.raises(ValueError, match="sb"):

@@ -118,3 +118,25 @@ def test_alphabet_is_what_prompts_and_answers_use():
     used = {c for e in task.sample_train(random.Random(0), 500) + task.val_examples for c in e.prompt + e.answer}
     assert used == set(task.alphabet()) and "-" not in used
     assert set(ArithmeticTask(operators=("-",), val_size=32).alphabet()) == set("0123456789-=")
+
+
+def test_warmstart_label_noise_corrupts_exactly_one_digit():
+    import random
+
+    from fp8rl_core.tasks.arithmetic import ArithmeticTask, corrupt_digit
+
+    rnd = random.Random(0)
+    for answer in ["0", "7", "168", "-45", "-5"]:
+        for _ in range(20):
+            bad = corrupt_digit(answer, rnd)
+            assert len(bad) == len(answer) and bad != answer
+            assert sum(a != b for a, b in zip(answer, bad)) == 1 and bad[0] != "-" or answer[0] == "-"
+    clean = ArithmeticTask(digits=2, val_size=16, warmstart_label_noise=0.0).warmstart_sample(random.Random(1), 200)
+    noisy_task = ArithmeticTask(digits=2, val_size=16, warmstart_label_noise=0.5)
+    noisy = noisy_task.warmstart_sample(random.Random(1), 400)
+    truth = {"+": lambda a, b: a + b, "-": lambda a, b: a - b}
+    wrong = sum(str(truth[op](int(a), int(b))) != ex.answer
+                for ex in noisy for op in "+-" if op in ex.prompt[1:]
+                for a, b in [ex.prompt[:-1].rsplit(op, 1)])
+    assert all(noisy_task.reward(ex, ex.answer) == 1.0 for ex in clean)
+    assert 0.4 < wrong / len(noisy) < 0.6  # about half the targets corrupted

@@ -13,8 +13,9 @@ from fp8rl_core.tasks import ArithmeticTask, JsonlTask, make_task
 def test_default_spec_is_the_arithmetic_task():
     task = make_task(TaskSpec())
     assert isinstance(task, ArithmeticTask)
-    assert (task.digits, task.min_digits, task.operators) == (3, 1, ("+", "-"))
-    assert len(task.val_examples) == 128 and task.warmstart_digits == 3
+    spec = TaskSpec()
+    assert (task.digits, task.min_digits, task.operators) == (spec.digits, spec.min_digits, tuple(spec.operators))
+    assert len(task.val_examples) == spec.val_size and task.warmstart_digits == spec.digits
 
 
 def test_spec_fields_reach_the_task():

@@ -149,3 +149,23 @@ def test_buffer_of_another_run_is_refused(sqlite_uri, tmp_path):
     sink.close(None)
     with pytest.raises(ValueError, match="belongs to MLflow run"):
         MlflowSink(sqlite_uri, "f" * 32, tmp_path / "m.jsonl", background=False)
+
+
+def test_oversized_record_is_split_within_limits(sqlite_uri, tmp_path):
+    run_id = _new_run(sqlite_uri)
+    sink = MlflowSink(sqlite_uri, run_id, tmp_path / "m.jsonl", background=False)
+    calls, real = [], sink.client.log_batch
+
+    def log_batch(run_id, metrics=(), params=(), tags=(), synchronous=None):
+        calls.append((len(metrics), len(params), len(tags)))
+        return real(run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous)
+
+    sink.client.log_batch = log_batch
+    sink.log_params({f"p{i}": i for i in range(150)})
+    sink.set_tags({f"t{i}": i for i in range(120)})
+    sink.log(0, {f"m{i}": float(i) for i in range(2100)})
+    assert sink.close("FINISHED")
+    assert all(m <= 1000 and p <= 100 and t <= 100 and m + p + t <= 1000 for m, p, t in calls)
+    assert sum(c[0] for c in calls) == 2100 and sum(c[1] for c in calls) == 150
+    run = MlflowClient(sqlite_uri).get_run(run_id)
+    assert len(run.data.params) == 150 and len(run.data.metrics) == 2100 and run.data.tags["t119"] == "119"

@@ -1,0 +1,215 @@
+"""One GRPO step (generation + training): our core's `grpo_step` vs TRL's `GRPOTrainer`, in one run.
+
+Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--prompts 16] [--group 8] [--max-new-tokens 8]
+           [--steps 4] [--warmup 1] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e] [--trl-bf16 | --no-trl-bf16]
+           [--warmstart-steps 300] [--cache-dir .fp8rl/warmstart]
+Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`)
+
+Same on both sides, so that only the implementation differs:
+- model: the warm-start checkpoint of the default run config (the `tiny` preset: Llama, 4 layers, hidden
+  256, vocab 32), loaded as a `transformers.LlamaForCausalLM` (FP32 master weights) for TRL;
+- tokenizer: our character tokenizer saved as an HF tokenizer, with a BOS post-processor so that TRL's
+  prompt ids equal ours token for token;
+- data: the same arithmetic prompts in the same order (drawn from a copy of our run's data RNG; TRL's
+  dataset is not shuffled), P prompts x G samples per step, at most `--max-new-tokens` new tokens, T=1;
+- reward: the task's exact match; one optimizer step per rollout batch (TRL: num_iterations=1,
+  steps_per_generation=1), no KL (beta=0), ratio clip 0.2, AdamW at our lr, grad clip 1.0;
+- threads: torch.set_num_threads(--threads) for both, in this one process.
+TRL runs on the CPU without vLLM, with gradient checkpointing off (its default is on; off is faster here)
+and BF16 autocast by default (`--no-trl-bf16`: FP32), i.e. its fastest CPU setting against our BF16 recipe.
+Seconds per step: steady state, the first `--warmup` steps skipped; TRL is timed from `on_step_begin` to
+`on_step_end` (generation, scoring, backward, optimizer step), ours around `grpo_step(ctx)` (the same work
+plus the training engine's old-log-prob pass and the refit of the generation engine). Tokens/s counts
+response tokens (up to and including EOS) generated and trained per second. ratio = TRL s/step / ours.
+The machine's 2 cores are shared: the load average is printed before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl_core.builder import build_context, initial_checkpoint, load_tokenizer
+from fp8rl_core.config import RunConfig, load_run_config
+from fp8rl_core.grpo_step import grpo_step
+from fp8rl_core.tasks import Example, make_task
+
+
+def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
+    overrides = [f"recipe={recipe}", f"threads={args.threads}", "device=cpu",
+                 f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
+                 f"rollout.max_new_tokens={args.max_new_tokens}", f"warmstart.cache_dir={args.cache_dir}"]
+    if args.warmstart_steps is not None:
+        overrides.append(f"warmstart.steps={args.warmstart_steps}")
+    return load_run_config(None, overrides)
+
+
+def time_ours(cfg: RunConfig, warmup: int, steps: int) -> dict[str, Any]:
+    """Seconds and response tokens of `steps` grpo_step calls after `warmup` unmeasured ones; also a copy
+    of the run's data RNG as it was before the first step (so that TRL can see the same prompts)."""
+    ctx = build_context(cfg, progress=False)
+    rng = random.Random()
+    rng.setstate(ctx.data_rng.getstate())
+    for _ in range(warmup):
+        grpo_step(ctx)
+    times, tokens, gen, reward = [], [], [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        m = grpo_step(ctx)
+        times.append(time.perf_counter() - t0)
+        n = m["response_length_mean"] * cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+        tokens.append(n)
+        gen.append(n / m["generation_tokens_per_s"])
+        reward.append(m["reward_mean"])
+    return {"times": times, "tokens": tokens, "gen": gen, "reward": reward, "rng": rng}
+
+
+def save_hf_tokenizer(folder: Path) -> Any:
+    """Our char tokenizer as an HF tokenizer that prepends BOS like `Tokenizer.encode` does."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from fp8rl_core.model.tokenizer import char_tokenizer
+
+    tok = char_tokenizer()
+    tok.tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_id)])
+    tok.save(folder)
+    return AutoTokenizer.from_pretrained(str(folder), padding_side="left")
+
+
+class _StepTimer:
+    """A transformers TrainerCallback recording wall-clock time from on_step_begin to on_step_end."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kw):
+                timer.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kw):
+                timer.times.append(time.perf_counter() - timer.t0)
+
+        self.times: list[float] = []
+        self.tokens: list[int] = []  # response tokens per step, counted by the reward function
+        self.reward: list[float] = []  # mean reward per step
+        self.gen: list[float] = []  # seconds in TRL's generation call per step
+        self.t0 = 0.0
+        self.callback = Callback()
+
+
+def trl_trainer(cfg: RunConfig, ckpt: Path, prompts: list[Example], args: argparse.Namespace,
+                timer: _StepTimer, out: Path) -> Any:
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    task = make_task(cfg.task)
+    tokenizer = save_hf_tokenizer(out / "tokenizer")
+    model = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+
+    def exact_match(completions: list[str], answer: list[str], completion_ids: list[list[int]], **_: Any):
+        timer.tokens.append(sum(len(c) for c in completion_ids))
+        rewards = [task.reward(Example("", a), c) for c, a in zip(completions, answer)]
+        timer.reward.append(sum(rewards) / len(rewards))
+        return rewards
+
+    P, G, o = cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt, cfg.optim
+    targs = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=True, bf16=args.trl_bf16, use_vllm=False, seed=cfg.seed,
+        per_device_train_batch_size=P * G, gradient_accumulation_steps=1, num_generations=G,
+        num_iterations=1, max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, beta=0.0, epsilon=cfg.loss.clip_low, epsilon_high=cfg.loss.clip_high,
+        learning_rate=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+        adam_epsilon=o.eps, max_grad_norm=o.grad_clip, lr_scheduler_type="constant", warmup_steps=0,
+        max_steps=args.warmup + args.steps, gradient_checkpointing=False, shuffle_dataset=False,
+        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+        log_completions=False, dataloader_num_workers=0)
+    data = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in prompts])
+    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=data,
+                          processing_class=tokenizer, callbacks=[timer.callback])
+    generate = trainer._generate_single_turn  # private, wrapped for a generation/training split only
+
+    def timed_generate(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        result = generate(*a, **kw)
+        timer.gen.append(time.perf_counter() - t0)
+        return result
+
+    trainer._generate_single_turn = timed_generate
+    return trainer
+
+
+def time_trl(cfg: RunConfig, ckpt: Path, rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
+    """Seconds, response tokens and generation seconds of TRL's steady-state steps; prompts drawn with rng."""
+    task = make_task(cfg.task)
+    prompts = [ex for _ in range(args.warmup + args.steps) for ex in task.sample_train(rng, args.prompts)]
+    timer = _StepTimer()
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
+        trl_trainer(cfg, ckpt, prompts, args, timer, Path(tmp)).train()
+    w = args.warmup
+    if len(timer.times) != w + args.steps or len(timer.tokens) != w + args.steps:
+        raise RuntimeError(f"TRL ran {len(timer.times)} steps and {len(timer.tokens)} reward calls; "
+                           f"expected {w + args.steps} of each")
+    gen = timer.gen[w:] if len(timer.gen) == len(timer.times) else [float("nan")] * args.steps
+    return {"times": timer.times[w:], "tokens": timer.tokens[w:], "gen": gen, "reward": timer.reward[w:]}
+
+
+def row(name: str, r: dict[str, Any], baseline: float | None) -> str:
+    s = statistics.median(r["times"])
+    tok_s = sum(r["tokens"]) / sum(r["times"])
+    tokens = statistics.mean(r["tokens"])
+    gen = statistics.median(r["gen"])
+    rest = statistics.median([t - g for t, g in zip(r["times"], r["gen"])])
+    ratio = f"{baseline / s:>7.2f}x" if baseline else f"{'1.00x':>8}"
+    reward = statistics.mean(r["reward"])
+    return f"{name:<16} {s:>9.3f} {gen:>8.3f} {rest:>9.3f} {tokens:>7.0f} {tok_s:>9.0f} {reward:>7.3f} {ratio}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16, help="P: prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="G: samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per side")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps first, per side")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e"])
+    ap.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=True,
+                    help="TRL with BF16 autocast (default) or FP32")
+    ap.add_argument("--warmstart-steps", type=int, default=None, help="default: the run config's (>= 1)")
+    ap.add_argument("--cache-dir", default=".fp8rl/warmstart", help="warm-start cache (shared with fp8rl-train)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()
+    cfg = run_config(args, args.recipes[0])
+    ckpt = initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=True)
+    import transformers
+    import trl
+
+    print(f"P x G = {args.prompts} x {args.group}, max new tokens {args.max_new_tokens}, {args.steps} measured steps "
+          f"after {args.warmup} warm-up, torch {torch.__version__} threads {torch.get_num_threads()}, "
+          f"trl {trl.__version__}, transformers {transformers.__version__}, model {ckpt}")
+    ours = {r: time_ours(run_config(args, r), args.warmup, args.steps) for r in args.recipes}
+    trl_r = time_trl(cfg, ckpt, ours[args.recipes[0]]["rng"], args)
+    base = statistics.median(trl_r["times"])
+    print(f"{'implementation':<16} {'s/step':>9} {'gen s':>8} {'rest s':>9} {'tokens':>7} {'tokens/s':>9} "
+          f"{'reward':>7} {'TRL/ours':>8}")
+    print(row(f"TRL {'bf16' if args.trl_bf16 else 'fp32'}", trl_r, None))
+    for recipe, r in ours.items():
+        print(row(f"ours {recipe}", r, base))
+    print(f"load average (1, 5, 15 min): before {tuple(round(x, 2) for x in load0)}, "
+          f"after {tuple(round(x, 2) for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Seen as a user sees it: the MLflow UI (real server, headless Chromium) shows the sweep's parent run
+with its child runs, and renders the report's figures. Screenshots land in the test's tmp_path
+(printed); `python scripts/mlflow_screenshot.py` makes the same ones under outputs/screenshots/."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.mlflow_server]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("mlflow_screenshot", REPO / "scripts" / "mlflow_screenshot.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parent_run_children_and_figures_in_the_ui(tmp_path):
+    shots = _script()
+    if shots.find_chromium() is None:
+        if os.environ.get("FP8RL_REQUIRE_BROWSER") == "1":
+            pytest.fail("FP8RL_REQUIRE_BROWSER=1 but no Chromium (apt-get install -y --no-install-recommends chromium)")
+        pytest.skip("no Chromium (apt-get install -y --no-install-recommends chromium)")
+    paths = shots.take_screenshots(tmp_path / "screenshots", tmp_path / "store")
+    print(f"\nscreenshots: {tmp_path / 'screenshots'}")
+    for png in paths.values():
+        image = matplotlib.image.imread(png)
+        assert image.shape[:2] == (1000, 1600) and image[..., :3].std() > 0.05
+    dom = {name: png.with_suffix(".html").read_text() for name, png in paths.items()}
+    assert "ui-demo" in dom["runs"]
+    children = {f"{r}-{i}-s{s}" for r in ("bf16", "fp8_gen", "fp8_e2e") for i in ("none", "token") for s in (0, 1)}
+    shown = {c for c in children if c in dom["parent_run"]}
+    assert "Child runs" in dom["parent_run"] and len(shown) >= 8, shown  # the UI lists 10, then "Load more"
+    for name, stem in (("figure1", "fig1_token_mult_prob_error"), ("figure2", "fig2_val_accuracy")):
+        assert re.search(rf'<img[^>]*alt="report/{stem}.png"[^>]*src="blob:', dom[name]), f"{name} not rendered"
