@@ -1,6 +1,6 @@
 """Per recipe: time and peak memory of one generate + train step (`grpo_step`) of the default run config.
 
-Usage: PYTHONPATH=. python benchmarks/engine_step.py [--recipes bf16 fp8_gen fp8_e2e] [--steps 5] [--warmup 1]
+Usage: PYTHONPATH=. python benchmarks/engine_step.py [--recipes bf16 fp8_gen fp8_e2e] [--steps 8] [--warmup 2]
            [--threads 2] [--cache-dir .fp8rl/warmstart] [--set key=value ...]
 
 The default run config (fp8rl_core/config.py: the `tiny` preset, 16 prompts x 8 samples, at most 8 new
@@ -111,8 +111,8 @@ def print_table(results: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e"])
-    ap.add_argument("--steps", type=int, default=5, help="measured steps per recipe")
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per recipe")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (run config `threads`)")
     ap.add_argument("--cache-dir", default=".fp8rl/warmstart", help="warm-start cache (shared with fp8rl-train)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="run-config override")

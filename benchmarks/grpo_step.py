@@ -1,8 +1,8 @@
 """One GRPO step (generation + training): our core's `grpo_step` vs TRL's `GRPOTrainer`, in one run.
 
 Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--prompts 16] [--group 8] [--max-new-tokens 8]
-           [--steps 4] [--warmup 1] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e] [--trl-bf16 | --no-trl-bf16]
-           [--warmstart-steps 300] [--cache-dir .fp8rl/warmstart]
+           [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e] [--trl-bf16 | --no-trl-bf16]
+           [--warmstart-steps N] [--cache-dir .fp8rl/warmstart]
 Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`)
 
 Same on both sides, so that only the implementation differs:
@@ -15,13 +15,18 @@ Same on both sides, so that only the implementation differs:
 - reward: the task's exact match; one optimizer step per rollout batch (TRL: num_iterations=1,
   steps_per_generation=1), no KL (beta=0), ratio clip 0.2, AdamW at our lr, grad clip 1.0;
 - threads: torch.set_num_threads(--threads) for both, in this one process.
-TRL runs on the CPU without vLLM, with gradient checkpointing off (its default is on; off is faster here)
-and BF16 autocast by default (`--no-trl-bf16`: FP32), i.e. its fastest CPU setting against our BF16 recipe.
-Seconds per step: steady state, the first `--warmup` steps skipped; TRL is timed from `on_step_begin` to
-`on_step_end` (generation, scoring, backward, optimizer step), ours around `grpo_step(ctx)` (the same work
-plus the training engine's old-log-prob pass and the refit of the generation engine). Tokens/s counts
-response tokens (up to and including EOS) generated and trained per second. ratio = TRL s/step / ours.
-The machine's 2 cores are shared: the load average is printed before and after.
+TRL runs on the CPU without vLLM, gradient checkpointing off (TRL's default is on; off only drops the
+recomputation) and BF16 autocast in generation and training, as our bf16 recipe (`--no-trl-bf16`: FP32).
+Columns: s/step = median seconds of a steady-state step (the first `--warmup` steps of each side skipped);
+TRL is timed from `on_step_begin` to `on_step_end` (generation, reward, log-probs, backward, optimizer
+step), ours around `grpo_step(ctx)` (the same work plus the training engine's old-log-prob pass and the
+refit of the generation engine); gen s = the generation call (TRL's `_generate_single_turn`, ours
+`generate`); rest s = s/step - gen s; tokens = response tokens per step (up to and including EOS);
+tokens/s = their sum / the sum of step times; reward = mean exact-match reward (a check that both sides
+solve the same task with the same model); TRL/ours = TRL s/step / ours.
+The machine's 2 cores are shared with other jobs: the load average is printed before and after. Under
+such load, 2 OpenMP threads per process can run several times slower than 1 (threads spin at barriers
+while the other core is taken): compare `--threads 1` when the numbers look odd.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import random
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -109,10 +115,13 @@ class _StepTimer:
 
 def trl_trainer(cfg: RunConfig, ckpt: Path, prompts: list[Example], args: argparse.Namespace,
                 timer: _StepTimer, out: Path) -> Any:
+    import transformers
     from datasets import Dataset
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     task = make_task(cfg.task)
     tokenizer = save_hf_tokenizer(out / "tokenizer")
     model = LlamaForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
@@ -137,6 +146,7 @@ def trl_trainer(cfg: RunConfig, ckpt: Path, prompts: list[Example], args: argpar
     data = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in prompts])
     trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=data,
                           processing_class=tokenizer, callbacks=[timer.callback])
+    trainer.remove_callback(PrinterCallback)  # it prints TRL's metrics dict into our table
     generate = trainer._generate_single_turn  # private, wrapped for a generation/training split only
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
@@ -180,8 +190,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="P: prompts per step")
     ap.add_argument("--group", type=int, default=8, help="G: samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=4, help="measured steps per side")
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps first, per side")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per side")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first, per side")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e"])
     ap.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=True,
@@ -189,6 +199,7 @@ def main() -> None:
     ap.add_argument("--warmstart-steps", type=int, default=None, help="default: the run config's (>= 1)")
     ap.add_argument("--cache-dir", default=".fp8rl/warmstart", help="warm-start cache (shared with fp8rl-train)")
     args = ap.parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 deprecations inside TRL
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()
     cfg = run_config(args, args.recipes[0])

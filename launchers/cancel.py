@@ -125,9 +125,9 @@ def cancel_sweep(sweep: Sweep, out: TextIO) -> int:
     executors = _executors(sweep)
     handles = [survey.handle_of(cid, att) for cid, att in state.open_attempts()]
     stages = [JobHandle(s.name, s.job_id, s.kind, None, s.stderr) for s in state.stages if s.kind == "slurm"]
-    left = cancel_handles(sweep, state, handles + stages, executors)
+    left = cancel_handles(sweep, state, handles + stages, executors) if handles or stages else []
     save_state(sweep.folder, state)
-    if state.parent_run_id:
+    if state.parent_run_id and (handles or pids):  # a finished sweep's parent run stays as it is
         from fp8rl_core.tracking.runs import finish_run
 
         survey.retry_locked(finish_run, sweep.tracking_uri(), state.parent_run_id, "KILLED")

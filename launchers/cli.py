@@ -88,8 +88,13 @@ def run(args: argparse.Namespace) -> int:
          lambda p: p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (--watch)"))
 def status(args: argparse.Namespace) -> int:
     from launchers.status import sweep_status
+    from launchers.survey import TrackingUnreachable
 
-    return sweep_status(load(args), watch=args.watch, interval_s=args.interval)
+    try:
+        return sweep_status(load(args), watch=args.watch, interval_s=args.interval)
+    except TrackingUnreachable as e:
+        print(f"sweep status: {e}", file=sys.stderr)
+        return 1
 
 
 @command("report", "figures, table and claim checks from MLflow (any time, also mid-sweep)", sweep_file_args,

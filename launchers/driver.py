@@ -10,7 +10,8 @@ MLflow experiment + parent run (created here, so parallel jobs never race to cre
 progress, polling the scheduler once per tick for all jobs -> retries -> report stage -> parent run
 ended. The sweep state (`launchers.state`) is saved after every change, so `sweep status` and
 `sweep cancel` work from any shell, and running the same command again resumes the sweep.
-Exit codes: 0 every cell finished; 1 some cell failed; 3 another driver holds the sweep; 130 stopped.
+Exit codes: 0 every cell finished; 1 some cell failed; 3 could not start (another driver holds the
+sweep, or the tracking server does not answer); 130 stopped (Ctrl-C, SIGTERM).
 """
 from __future__ import annotations
 
@@ -113,6 +114,9 @@ class Driver:
 
         from fp8rl_core.tracking.runs import create_parent_run, ensure_experiment
 
+        if not survey.tracking_reachable(self.uri):
+            raise survey.TrackingUnreachable(f"the tracking server {self.uri} does not answer (/health); start it "
+                                      f"(`sweep server`) or check tracking.uri; nothing was submitted")
         self.exp_id = survey.retry_locked(ensure_experiment, self.uri, self.name)
         spec = to_dict(self.sweep.spec)
         params = {"sweep_file": self.sweep.name, "launcher.kind": self.sweep.launcher.kind,
@@ -340,6 +344,6 @@ def run_sweep(sweep: Sweep, detach: bool = False, retry_failed: bool = False, ex
             with DriverLock(sweep.folder):
                 driver = Driver(sweep, cells, executor, run_fn, out, poll_s)
                 return driver.run(detach=detach, retry_failed=retry_failed, report=report)
-        except DriverBusy as e:
+        except (DriverBusy, survey.TrackingUnreachable) as e:
             print(f"sweep run: {e}", file=out or sys.stderr)
             return 3

@@ -215,6 +215,6 @@ def run_search(sweep: Sweep, detach: bool = False, executor: Executor | None = N
         try:
             with DriverLock(sweep.folder):
                 return SearchDriver(sweep, executor, run_fn, out, poll_s).run()
-        except DriverBusy as e:
+        except (DriverBusy, survey.TrackingUnreachable) as e:
             print(f"sweep run: {e}", file=out or sys.stderr)
             return 3

@@ -24,14 +24,34 @@ ERROR_WIDTH = 160
 
 
 def store_exists(sweep: Sweep) -> bool:
-    """False for a SQLite store that does not exist yet (opening it would create it)."""
+    """False for a SQLite store without MLflow's tables yet: opening it would create them, and
+    status and plan only read. Checked with SQLite itself, read-only."""
     uri = sweep.tracking_uri()
-    return not uri.startswith("sqlite:///") or Path(uri[len("sqlite:///"):]).exists()
+    if not uri.startswith("sqlite:///"):
+        return True
+    path = Path(uri[len("sqlite:///"):])
+    if not path.exists():
+        return False
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
+        try:
+            return con.execute("SELECT 1 FROM sqlite_master WHERE name = 'experiments'").fetchone() is not None
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False
 
 
 def mlflow_states(sweep: Sweep) -> dict[str, str]:
+    """The cells' MLflow statuses ({} for a store not created yet); TrackingUnreachable when an
+    http(s) server does not answer."""
     if not store_exists(sweep):
         return {}
+    if not survey.tracking_reachable(sweep.tracking_uri()):
+        raise survey.TrackingUnreachable(f"the tracking server {sweep.tracking_uri()} does not answer (/health); "
+                                  f"start it (`sweep server`) or check tracking.uri")
     from fp8rl_core.tracking.runs import cell_states
 
     return survey.retry_locked(cell_states, sweep.tracking_uri(), sweep.experiment, sweep.experiment)
@@ -52,9 +72,13 @@ def sweep_cells(sweep: Sweep, state: SweepState | None) -> list[Cell]:
 def plan_states(sweep: Sweep) -> StateProvider:
     """`sweep plan`'s states: MLflow status (lower case), `exhausted` for cells out of retries,
     `new` for cells without a run. Reads only; no scheduler poll (a plan is a dry run)."""
-    if not store_exists(sweep):
+    try:
+        mlflow = mlflow_states(sweep)
+    except survey.TrackingUnreachable as e:
+        print(f"warning: {e}; states shown as unknown", file=sys.stderr)
         return default_state_provider(sweep)
-    mlflow = mlflow_states(sweep)
+    if not mlflow and not store_exists(sweep):
+        return default_state_provider(sweep)
     state = load_state(sweep.folder)
 
     def provider(ids: list[str]) -> dict[str, str]:

@@ -38,6 +38,20 @@ def retry_locked(fn: Callable[..., T], *args: Any, tries: int = 20, **kwargs: An
     raise AssertionError("unreachable")
 
 
+class TrackingUnreachable(RuntimeError):
+    """The MLflow tracking server does not answer."""
+
+
+def tracking_reachable(uri: str, timeout_s: float = 3.0) -> bool:
+    """False when an http(s) tracking server does not answer /health (MLflow's own client would
+    retry for minutes); other stores are assumed reachable."""
+    if not uri.startswith(("http://", "https://")):
+        return True
+    from fp8rl_core.tracking.server import health_ok
+
+    return health_ok(uri, timeout_s)
+
+
 def handle_of(cell_id: str, att: Attempt) -> JobHandle:
     return JobHandle(cell_id, att.job_id, att.kind, None, att.stderr, att.submitted)
 

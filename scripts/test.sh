@@ -8,6 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then
+  # headless Chromium for the "seen in the MLflow UI" test (Debian's package; no browser download)
+  (apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 ||
+   { apt-get update -qq && apt-get install -y --no-install-recommends chromium >/dev/null; }) ||
+    echo "chromium could not be installed; the browser test will skip" >&2
+fi
 if [ "${FP8RL_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   bash scripts/slurm/cluster.sh up || { echo "SLURM cluster failed to start" >&2; [ "${FP8RL_REQUIRE_SLURM:-0}" = 1 ] && exit 1; }
 fi

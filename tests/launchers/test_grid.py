@@ -132,8 +132,8 @@ def test_exclusion_keys_inside_zip_groups():
 
 
 def test_combination_errors_name_the_cell_and_line():
-    text = "experiment: t\ngrid:\n  task.min_digits: [1, 3]\n  task.digits: [2, 4]\n"
-    with pytest.raises(SweepError, match=r"t.yaml:4: grid.task.digits: .*in the cell \{task.min_digits: 3, task.digits: 2\}"):
+    text = "experiment: t\ngrid:\n  task.min_digits: [1, 2]\n  task.digits: [1, 3]\n"
+    with pytest.raises(SweepError, match=r"t.yaml:4: grid.task.digits: .*in the cell \{task.min_digits: 2, task.digits: 1\}"):
         expand(sweep_of(text))
 
 
