@@ -58,6 +58,8 @@ def sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> t
 
 def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> float:
     ws = cfg.warmstart
+    if ws.steps == 0:  # RL straight from the initialization (e.g. for benchmarks)
+        return float("nan")
     rng = random.Random(cfg.task.data_seed + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     warmup = max(1, ws.steps // 20)

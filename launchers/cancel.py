@@ -1,6 +1,6 @@
 """`sweep cancel FILE`: stop a sweep's driver, cancel its queued and running jobs, mark their runs KILLED.
 
-Order matters: the driver first (SIGTERM to the pid in the driver lock / the detached driver's pid,
+Order matters: the driver first (SIGTERM to the pid in the sweep's driver lock while it is held,
 so that it submits nothing more and does not retry what we cancel), then every job on record in ONE
 call per scheduler (`scancel id ...`; SIGINT to local controllers), a bounded wait until they have
 left the queue, and last the MLflow runs: KILLED (cancelled attempts do not count as failures, so
@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from launchers import survey
 from launchers.executors import JobHandle, is_alive, make_executor
-from launchers.state import LOCK_FILE, SweepState, load_state, save_state
+from launchers.state import LOCK_FILE, SweepState, is_locked, load_state, save_state
 from launchers.sweep_file import Sweep
 
 DRIVER_WAIT_S = 40.0
@@ -31,18 +31,17 @@ def _is_driver(pid: int) -> bool:
     return any("launchers" in a or a.endswith("sweep") for a in argv) and pid != os.getpid()
 
 
-def driver_pids(sweep: Sweep, state: SweepState | None) -> list[int]:
-    """Live drivers of this sweep on this host: the lock holder's pid and the detached driver's."""
-    pids = set()
+def driver_pids(sweep: Sweep) -> list[int]:
+    """The live driver of this sweep: the pid written in its lock file, trusted only while the lock
+    is held (a pid from a past driver may belong to another process by now)."""
+    if not is_locked(sweep.folder):
+        return []
     try:
-        text = (sweep.folder / LOCK_FILE).read_text().split()
-        if len(text) == 2 and text[0] == "pid":
-            pids.add(int(text[1]))
+        words = (sweep.folder / LOCK_FILE).read_text().split()
+        pid = int(words[1]) if len(words) == 2 and words[0] == "pid" else None
     except (OSError, ValueError):
-        pass
-    if state and state.driver_pid and state.driver_host in (None, os.uname().nodename):
-        pids.add(state.driver_pid)
-    return sorted(p for p in pids if _is_driver(p))
+        return []
+    return [pid] if pid is not None and _is_driver(pid) else []
 
 
 def stop_drivers(pids: Sequence[int], wait_s: float = DRIVER_WAIT_S) -> list[int]:
@@ -112,13 +111,12 @@ def _wait_gone(ex: Any, handles: Sequence[JobHandle], wait_s: float) -> list[str
 
 def cancel_sweep(sweep: Sweep, out: TextIO) -> int:
     """The whole `sweep cancel` (see the module docstring). 0 when nothing is left queued."""
-    state = load_state(sweep.folder)
-    pids = driver_pids(sweep, state)
+    pids = driver_pids(sweep)
     if pids:
         stuck = stop_drivers(pids)
         print(f"stopped the sweep's driver (pid {', '.join(map(str, pids))})" +
               (f"; still alive: {stuck}" if stuck else ""), file=out)
-        state = load_state(sweep.folder)  # the driver saved what it cancelled itself
+    state = load_state(sweep.folder)  # after the driver stopped: it saved what it cancelled itself
     if state is None:
         print(f"sweep {sweep.experiment}: nothing to cancel (it never ran from {sweep.folder})", file=out)
         return 0

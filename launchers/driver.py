@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import shutil
 import signal
 import subprocess
@@ -38,7 +37,6 @@ from launchers.monitor import Monitor
 from launchers.state import Attempt, DriverBusy, DriverLock, SweepState, load_state, save_state
 from launchers.sweep_file import Sweep
 
-CHILD_ENV = "FP8RL_SWEEP_DETACHED"  # set in the background driver that `run --detach` starts locally
 SUPERSEDED = ".superseded"  # <folder>/cells/.superseded/<cell>-<old run>: outputs of a replaced run
 
 
@@ -58,15 +56,18 @@ def job_config(sweep: Sweep, cell: Cell, run_id: str, parent_run_id: str) -> Run
 
 
 def supersede_outputs(out_dir: Path, run_id: str, old_run_id: str | None) -> Path | None:
-    """Move a cell's outputs aside when they belong to another MLflow run (its run was deleted):
-    never delete or overwrite another run's outputs, and never resume from them."""
-    shipped = out_dir / "metrics.jsonl.shipped.json"
+    """Move a cell's outputs aside when they are not those of MLflow run `run_id` (its previous run
+    was deleted, or their origin is unknown): never delete or overwrite another run's outputs, and
+    never resume from them. The owner is the run on record, else the one the metrics were shipped to."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return None
     owner = old_run_id
+    shipped = out_dir / "metrics.jsonl.shipped.json"
     if owner is None and shipped.exists():
         import json
 
         owner = json.loads(shipped.read_text()).get("run_id")
-    if not out_dir.exists() or owner in (None, run_id) and not (owner is None and any(out_dir.iterdir())):
+    if owner == run_id:
         return None
     dest = out_dir.parent / SUPERSEDED / f"{out_dir.name}-{(owner or 'unknown')[:12]}-{int(time.time())}"
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -115,8 +116,8 @@ class Driver:
         from fp8rl_core.tracking.runs import create_parent_run, ensure_experiment
 
         if not survey.tracking_reachable(self.uri):
-            raise survey.TrackingUnreachable(f"the tracking server {self.uri} does not answer (/health); start it "
-                                      f"(`sweep server`) or check tracking.uri; nothing was submitted")
+            raise survey.TrackingUnreachable(f"the tracking server {self.uri} does not answer (/health); start "
+                                             f"it (`sweep server`) or check tracking.uri; nothing was submitted")
         self.exp_id = survey.retry_locked(ensure_experiment, self.uri, self.name)
         spec = to_dict(self.sweep.spec)
         params = {"sweep_file": self.sweep.name, "launcher.kind": self.sweep.launcher.kind,
@@ -125,8 +126,6 @@ class Driver:
         parent = survey.retry_locked(create_parent_run, self.uri, self.name, self.name, params=params, config=spec)
         self.state.parent_run_id = parent
         survey.retry_locked(MlflowClient(self.uri).update_run, parent, "RUNNING")
-        if os.environ.get(CHILD_ENV):
-            self.state.driver_pid, self.state.driver_host = os.getpid(), os.uname().nodename
         self.save()
 
     # ---- 2) what to do with each cell --------------------------------------------------------------
@@ -224,7 +223,7 @@ class Driver:
             for rec in self.state.cells.values():
                 for att in rec.attempts:
                     if att.outcome == "failed":
-                        att.outcome = "cancelled"  # forgiven: no longer counts against retries
+                        att.outcome = "forgiven"  # no longer counts against retries
         actions, watch = self.survey()
         counts = {a: sum(v == a for v in actions.values()) for a in sorted(set(actions.values()))}
         self.say(f"sweep {self.name}: {len(self.cells)} cells: " + ", ".join(f"{n} {a}" for a, n in counts.items())
@@ -239,7 +238,7 @@ class Driver:
             return self._detach(to_run, dependency)
         monitor = Monitor(self, watch, {cid for cid, a in actions.items() if a == survey.SKIP})
         try:
-            monitor.launch(to_run, f"afterok:{dependency}" if dependency else None)
+            monitor.launch(to_run, dependency)
             monitor.loop()
         except (KeyboardInterrupt, DriverStopped) as e:
             monitor.stop(str(e) or "interrupted")
@@ -248,11 +247,12 @@ class Driver:
 
     def _detach(self, to_run: list[Cell], dependency: str | None) -> int:
         """SLURM only (local --detach runs this driver in the background): submit the cells and the
-        report stage, which waits for all of them (afterany), then return."""
+        report stage, which waits for all of them (afterany), then return. Retries need a driver:
+        `sweep run FILE` again waits for the live jobs and re-runs what failed."""
         handles: list[JobHandle] = []
         if to_run:
             handles = self.submit(self.tasks_for(to_run), f"afterok:{dependency}" if dependency else None)
-        alive = [a.job_id for _, a in self.state.open_attempts()]
+        alive = [a.job_id for _, a in self.state.open_attempts() if a.kind == "slurm"]
         if alive:
             from launchers.executors.slurm import base_id
             from launchers.state import StageJob
@@ -307,7 +307,7 @@ def spawn_background(sweep: Sweep) -> int:
     argv = [sys.executable, "-m", "launchers.cli", "run", sweep.name, *sweep.overrides]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, cwd=sweep.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, CHILD_ENV: "1"})
+                                start_new_session=True)
     print(f"sweep {sweep.experiment}: driver running in the background (pid {proc.pid}), log {log_path}\n"
           f"follow it: sweep status {sweep.name} --watch; stop it: sweep cancel {sweep.name}")
     return 0

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from launchers import survey
 from launchers.cells import CELLS_SUBFOLDER, Cell
-from launchers.executors import JobHandle, is_alive
-from launchers.progress import cell_step, eta_seconds, fmt_duration
+from launchers.executors import JobHandle, Task, is_alive
+from launchers.progress import cell_step, error_tail, eta_seconds, fmt_duration
 
 if TYPE_CHECKING:  # pragma: no cover
     from launchers.driver import Driver
@@ -27,15 +27,21 @@ class Monitor:
     def __init__(self, driver: "Driver", watch: dict[str, JobHandle], finished: set[str]):
         self.d = driver
         self.active: dict[str, JobHandle] = dict(watch)  # cell id -> its alive job
-        self.queue: list[Cell] = []
+        self.queue: list[Task] = []  # cells to submit: their child runs exist (SCHEDULED) already
         self.dependency: str | None = None
+        self.stage: JobHandle | None = None  # the warm-start job the first batch waits for (SLURM)
         self.finished = set(finished)
         self.failed: set[str] = set()
         self.t0 = time.time()
         self._last_key, self._last_print = "", 0.0
 
-    def launch(self, cells: list[Cell], dependency: str | None) -> None:
-        self.queue, self.dependency = list(cells), dependency
+    def launch(self, cells: list[Cell], warm_start_job: str | None) -> None:
+        """Create every cell's child run now (the UI lists them SCHEDULED), submit what fits."""
+        self.queue = self.d.tasks_for(cells)
+        if warm_start_job:
+            self.dependency = f"afterok:{warm_start_job}"
+            stage = next(s for s in self.d.state.stages if s.job_id == warm_start_job)
+            self.stage = JobHandle(stage.name, stage.job_id, stage.kind, None, stage.stderr)
         self.submit_some()
 
     def submit_some(self) -> None:
@@ -43,7 +49,7 @@ class Monitor:
         if n <= 0 or not self.queue:
             return
         batch, self.queue = self.queue[:n], self.queue[n:]
-        for h in self.d.submit(self.d.tasks_for(batch), self.dependency):
+        for h in self.d.submit(batch, self.dependency):
             self.active[h.name] = h
         self.dependency = None  # later batches (retries) start after the warm start has run
 
@@ -56,7 +62,7 @@ class Monitor:
 
     def poll(self) -> dict[str, str]:
         by_kind: dict[str, list[JobHandle]] = {}
-        for h in self.active.values():
+        for h in [*self.active.values(), *([self.stage] if self.stage else [])]:
             by_kind.setdefault(h.kind, []).append(h)
         states: dict[str, str] = {}
         for kind, handles in by_kind.items():
@@ -65,21 +71,25 @@ class Monitor:
 
     def tick(self) -> None:
         states = self.poll()
+        if self.stage is not None and not is_alive(states.get(self.stage.job_id)):
+            if states.get(self.stage.job_id) != "done":
+                self.d.say(f"warm start job {self.stage.job_id} {states.get(self.stage.job_id)}: "
+                           f"{error_tail(self.stage.stderr) or 'no log'}; SLURM cancels the cells waiting for it")
+            self.stage = None
         ended = [cid for cid, h in self.active.items() if not is_alive(states.get(h.job_id))]
         if ended:
             mlflow = self.d.mlflow_states()
             for cid in ended:
-                del self.active[cid]
-                self._settle(cid, mlflow)
+                self._settle(cid, mlflow, states.get(self.active.pop(cid).job_id))
             self.d.save()
         self.render(states)
 
-    def _settle(self, cid: str, mlflow: dict[str, str]) -> None:
+    def _settle(self, cid: str, mlflow: dict[str, str], job_state: str | None) -> None:
         """The cell's job ended: finished, to retry, or failed for good."""
         rec = self.d.state.record(cid)
         status = mlflow.get(cid)
         self.d.changes += 1
-        if survey.settle(rec, status, None):
+        if survey.settle(rec, status, job_state):
             self.d._end_stale_run(rec, status)
         action = survey.decide(status, rec, None, self.d.retries)
         cell = self.d.by_id[cid]
@@ -89,7 +99,7 @@ class Monitor:
         err = rec.last().error if rec.last() else None
         if action == survey.RUN:
             self.d.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}): {err}; retrying")
-            self.queue.append(cell)
+            self.queue += self.d.tasks_for([cell])
         else:
             self.d.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}, no retries left): {err}")
             self.failed.add(cid)
@@ -107,7 +117,7 @@ class Monitor:
         now = time.time()
         if key == self._last_key and now - self._last_print < PROGRESS_EVERY_S:
             return
-        remaining = sum(c.config.train.steps for c in self.queue) + sum(
+        remaining = sum(self.d.by_id[t.name].config.train.steps for t in self.queue) + sum(
             self.d.by_id[cid].config.train.steps - max(0, s.step) for cid, s in steps.items())
         eta = eta_seconds(remaining, [s.seconds_per_step() for s in steps.values()],
                           min(self.d.sweep.launcher.max_parallel, len(self.queue) + len(self.active)))
@@ -125,7 +135,11 @@ class Monitor:
             cancel_handles(self.d.sweep, self.d.state, local, self.d.executor_of, CANCEL_WAIT_S)
             self.d.say(f"stopped ({why}): {len(local)} local job(s) cancelled; `sweep run` again resumes them")
         others = len(self.active) - len(local)
-        if others:
+        if not others:  # nothing of the sweep runs any more
+            from fp8rl_core.tracking.runs import finish_run
+
+            survey.retry_locked(finish_run, self.d.uri, self.d.state.parent_run_id, "KILLED")
+        else:
             self.d.say(f"stopped ({why}): {others} job(s) keep running; follow them with `sweep status "
                         f"{self.d.sweep.name} --watch`, stop them with `sweep cancel {self.d.sweep.name}`")
         self.d.save()

@@ -5,9 +5,10 @@
 
 MLflow holds what a cell computed (its run status and metrics); this file holds what only the driver
 knows: the job ids (so that `sweep status` and `sweep cancel` work from another shell), each
-attempt's outcome (so retries are counted across `sweep run` invocations), the detached driver's pid
-and the stage jobs (warm start, report). Outcomes: None (not known yet), "finished", "failed" (counts
-against launcher.retries), "cancelled" (by `sweep cancel` or Ctrl-C: does not count).
+attempt's outcome (so retries are counted across `sweep run` invocations) and the stage jobs (warm
+start, report). The driver's pid is in the lock file, which `sweep cancel` reads while it is held. Outcomes: None (not known yet), "finished", "failed" (counts against
+launcher.retries), "cancelled" (by `sweep cancel` or Ctrl-C) and "forgiven" (a failure that
+`sweep run --retry-failed` no longer counts).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ class Attempt:
     kind: str  # local | slurm | debug
     submitted: float  # unix time
     stderr: str | None = None  # the job's stderr log (its error tail is shown by `sweep status`)
-    outcome: str | None = None  # None | finished | failed | cancelled
+    outcome: str | None = None  # None | finished | failed | cancelled | forgiven
     error: str | None = None  # last lines of the log when it failed
 
 
@@ -66,8 +67,6 @@ class SweepState:
     experiment: str
     parent_run_id: str | None = None
     kind: str = "local"
-    driver_pid: int | None = None  # a detached local driver (`sweep run --detach`)
-    driver_host: str | None = None
     cells: dict[str, CellRecord] = field(default_factory=dict)
     stages: list[StageJob] = field(default_factory=list)
     updated: float = 0.0

@@ -78,6 +78,7 @@ class FakeScheduler:
         self.polls: list[int] = []  # number of handles per poll call
         self.cancels: list[list[str]] = []
         self.on_poll: Callable[["FakeScheduler"], None] | None = None
+        self.fail_names: set[str] = set()  # tasks of these names fail without running
         self._ids = itertools.count(100)
 
     def slots(self, running: int) -> int:
@@ -101,7 +102,9 @@ class FakeScheduler:
             self.jobs[jid] = RUNNING
             return
         task = self.tasks.get(jid)
-        if task is not None and (isinstance(task.fn, CellJob) or self.run_stages):
+        if task is not None and task.name in self.fail_names:
+            self.jobs[jid] = FAILED
+        elif task is not None and (isinstance(task.fn, CellJob) or self.run_stages):
             try:
                 task.fn(*task.args)
                 self.jobs[jid] = DONE

@@ -113,7 +113,8 @@ def test_retry_failed_reruns_exhausted_cells_only(cwd):
 
 
 def test_a_sweep_that_fails_validation_creates_nothing(cwd):
-    bad = SWEEP.replace("optim.lr: [0.001, 0.9]", "task.min_digits: [1, 3]\n  task.digits: [2, 3]")
+    bad = SWEEP.replace("optim.lr: [0.001, 0.9]", "task.min_digits: [1, 3]\n  task.digits: [2, 3]").replace(
+        "  train: {steps: 3}", "  train: {steps: 3}\n  task: {digits: 3, min_digits: 1}")
     path = write_sweep(cwd, bad)
     sweep = load_sweep(path)  # each value alone is fine; the (min_digits 3, digits 2) cell is not
     with pytest.raises(SweepError, match="min_digits"):
@@ -171,6 +172,16 @@ def test_warm_start_is_one_job_the_cells_depend_on(cwd):
         j for j, t in fake.tasks.items() if t.name == cell_names[0]).split("_")[0]
     cfg = next(t for t in fake.tasks.values() if t.name == cell_names[0]).args[0]
     assert cfg["warmstart"]["cache_dir"] == str(cwd / "ws")  # absolute: jobs may start elsewhere
+
+
+def test_a_failed_warm_start_job_is_reported(cwd):
+    body = SWEEP.replace("kind: debug", "kind: slurm").replace("warmstart: {steps: 0}",
+                                                                "warmstart: {steps: 5, cache_dir: ws}")
+    fake = FakeScheduler(delay=1)
+    fake.fail_names = {"warmstart"}
+    rc, text = go(load_sweep(write_sweep(cwd, body)), executor=fake)
+    ws_job = next(j for j, t in fake.tasks.items() if t.name == "warmstart")
+    assert f"warm start job {ws_job} failed: no log; SLURM cancels the cells waiting for it" in text
 
 
 def test_local_warm_start_runs_before_any_cell(cwd, monkeypatch):
@@ -300,3 +311,32 @@ def test_local_end_to_end_with_the_real_core_and_the_report(cwd, capsys):
     artifacts = [a.path for a in client.list_artifacts(parent, "report")]
     assert "report/report.md" in artifacts and (sweep.folder / "report" / "report.md").exists()
     assert main(["run", str(path)]) == 0 and "2 skip" in capsys.readouterr().out
+    assert main(["report", str(path), "--out", str(cwd / "again")]) == 0
+    assert f"report: {cwd / 'again' / 'report.md'}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.mlflow_server
+def test_sweep_server_on_loopback_and_a_sweep_logging_over_http(cwd):
+    """`sweep server` (127.0.0.1, a free port) -> a sweep whose cells log to it over HTTP -> Ctrl-C."""
+    import signal
+    import subprocess
+    import sys
+
+    from fp8rl_core.tracking.server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "server", "--port", str(port)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith(f"MLflow server at http://127.0.0.1:{port} "), first + proc.stdout.read()
+        url = f"http://127.0.0.1:{port}"
+        sweep = load_sweep(write_sweep(cwd, SWEEP.replace("sqlite:///mlflow.db", url).replace("[0.001, 0.9]", "[0.001]")))
+        assert go(sweep)[0] == 0
+        assert {r.info.status for r in runs(url).values()} == {"FINISHED"} and len(runs(url)) == 2
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    rc, text = go(sweep)  # the server is gone: the driver says so at once, and submits nothing
+    assert rc == 3 and "does not answer" in text
