@@ -6,7 +6,7 @@ Rows, measured in one run against the same cluster:
 1. ours: `launchers.executors.slurm.SlurmExecutor.submit` of 200 tasks (a trivial function): wall
    time of the submission and number of sbatch calls (counted at the subprocess boundary); then the
    time until every task has completed (2 at a time: the array's %max_parallel, on 2 cores) with
-   one sacct per poll for all 200 (number of sacct calls counted).
+   one sacct per poll for all 200, plus one squeue only when sacct lags (both counted).
 2. the full driver: `sweep run --detach` of a 200-cell grid (SQLite MLflow store: experiment, parent
    run and 200 SCHEDULED child runs, then the one array and the report stage), cancelled afterwards.
 3. baseline: submitit without batching, one `executor.submit` per cell (what a loop over cells does,
@@ -74,12 +74,14 @@ def ours(folder: Path, n: int, wait: bool) -> dict:
         {h.job_id.split("_")[0] for h in handles})}
     if wait:
         with counting() as calls:
-            while True:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:
                 states = ex.poll(handles)
-                if not any(is_alive(s) for s in states.values()):
+                # "unknown": ended but not yet in accounting (sacct lags); wait for its final state
+                if not any(is_alive(s) or s == "unknown" for s in states.values()):
                     break
                 time.sleep(2.0)
-            row.update(done_s=time.perf_counter() - t0, sacct=calls.get("sacct", 0),
+            row.update(done_s=time.perf_counter() - t0, sacct=calls.get("sacct", 0), squeue=calls.get("squeue", 0),
                        completed=sum(s == "done" for s in states.values()))
     else:
         ex.cancel(handles)
@@ -135,10 +137,11 @@ def main() -> None:
         folder = Path(tmp)
         rows = [ours(folder / "ours", args.cells, not args.no_wait), full_driver(folder / "driver", args.cells),
                 baseline(folder / "baseline", args.cells)]
-    print(f"\n{'what':32} {'submit s':>9} {'sbatch calls':>13} {'arrays':>7} {'all done s':>11} {'sacct calls':>12}")
+    print(f"\n{'what':32} {'submit s':>9} {'sbatch calls':>13} {'arrays':>7} {'all done s':>11} "
+          f"{'sacct calls':>12} {'squeue calls':>13}")
     for r in rows:
         print(f"{r['what']:32} {r['submit_s']:9.2f} {r['sbatch']:13d} {r['arrays']:7d} "
-              f"{r.get('done_s', float('nan')):11.1f} {r.get('sacct', 0):12d}")
+              f"{r.get('done_s', float('nan')):11.1f} {r.get('sacct', 0):12d} {r.get('squeue', 0):13d}")
     base, us = rows[2], rows[0]
     print(f"\nsubmission: ours {us['submit_s']:.2f} s / baseline {base['submit_s']:.2f} s = "
           f"{us['submit_s'] / base['submit_s']:.3f}x; sbatch calls {us['sbatch']} vs {base['sbatch']}"

@@ -112,6 +112,12 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
                 return last
         status = "FINISHED"
         return last
+    except SystemExit:
+        status = "RUNNING"  # submitit requeues (preemption/timeout): the run goes on in its next job
+        raise
+    except KeyboardInterrupt:
+        status = "KILLED"  # stopped by hand; `sweep run` resumes it from its checkpoint
+        raise
     finally:
         bar.close()
         sink.close(status)

@@ -107,12 +107,16 @@ class SlurmExecutor:
                 for t, j in zip(tasks, jobs)]
 
     def poll(self, handles: Sequence[JobHandle]) -> dict[str, str]:
-        """One sacct for every handle; a job sacct does not list yet is pending for GRACE_S."""
+        """One sacct for every handle. A job sacct does not list (accounting lags the controller,
+        and pending array tasks move between records) is looked up in squeue, in one more call
+        made only then; one neither knows is pending for GRACE_S after its submission, then gone."""
         if not handles:
             return {}
         ids = sorted({base_id(h.job_id) for h in handles}, key=int)
-        text = self.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(ids)])
-        raw = parse_sacct(text)
+        raw = parse_sacct(self.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(ids)]))
+        missing = [h for h in handles if h.job_id not in raw]
+        if missing:
+            raw.update(self._squeue_states(missing))
         now = time.time()
         out = {}
         for h in handles:
@@ -122,6 +126,16 @@ class SlurmExecutor:
             else:
                 out[h.job_id] = SLURM_STATES.get(state, UNKNOWN)
         return out
+
+    def _squeue_states(self, handles: Sequence[JobHandle]) -> dict[str, str]:
+        ids = ",".join(sorted({base_id(h.job_id) for h in handles}, key=int))
+        try:
+            text = self.run(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ids])
+        except RuntimeError as e:  # squeue rejects ids it has forgotten (ended > MinJobAge ago)
+            if "Invalid job id" in str(e):
+                return {}
+            raise
+        return parse_sacct(text)
 
     def cancel(self, handles: Sequence[JobHandle]) -> None:
         """One scancel for all of them (array tasks by id; scancel ignores ids already gone)."""

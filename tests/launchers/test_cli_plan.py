@@ -154,10 +154,6 @@ def test_bad_file_exits_2_with_location(capsys):
     assert rc == 2 and "no/such/file.yaml: cannot read the sweep file" in err
 
 
-@pytest.mark.parametrize("verb", ["run", "status", "report", "cancel"])
-def test_other_verbs_are_placeholders(verb, capsys):
-    rc, _, err = run_cli([verb, str(REPO / "sweeps" / "smoke.yaml")], capsys)
-    assert rc == 2 and "not implemented yet" in err
 
 
 def test_module_entry_point_exit_code(tmp_path):

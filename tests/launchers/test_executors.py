@@ -65,11 +65,16 @@ def test_slurm_poll_is_one_sacct_for_every_job(tmp_path):
     handles = [JobHandle(f"c{i}", j, "slurm", submitted=old) for i, j in
                enumerate(["12_0", "12_1", "12_2", "12_3", "13", "14", "99"])]
     handles.append(JobHandle("new", "100", "slurm"))  # just submitted: sacct does not know it yet
-    states = ex.poll(handles)
-    assert len(rec.calls) == 1
-    assert rec.calls[0][:6] == ["sacct", "-X", "-n", "-P", "-o", "JobID,State"] and rec.calls[0][-1] == "12,13,14,99,100"
+    states = ex.poll(handles[:-2])
+    assert len(rec.calls) == 1  # every job known to sacct: one call
+    assert rec.calls[0][:6] == ["sacct", "-X", "-n", "-P", "-o", "JobID,State"] and rec.calls[0][-1] == "12,13,14"
     assert states == {"12_0": DONE, "12_1": PENDING, "12_2": PENDING, "12_3": PENDING, "13": FAILED,
-                      "14": CANCELLED, "99": UNKNOWN, "100": PENDING}
+                      "14": CANCELLED}
+    rec.answers["squeue"] = "12_4|RUNNING\n"
+    states = ex.poll(handles + [JobHandle("late", "12_4", "slurm", submitted=old)])
+    assert [c[0] for c in rec.calls[1:]] == ["sacct", "squeue"]  # squeue only for what sacct lacks
+    assert rec.calls[2] == ["squeue", "-h", "-r", "-o", "%i|%T", "-j", "12,99,100"]
+    assert (states["12_4"], states["99"], states["100"]) == (RUNNING, UNKNOWN, PENDING)
 
 
 def test_slurm_cancel_is_one_scancel(tmp_path):
