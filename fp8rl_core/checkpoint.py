@@ -18,20 +18,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8rl_core.atomic import fsync_dir, fsync_file
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
@@ -48,8 +37,8 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
     torch.save(state, tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, **(meta or {})}, indent=1))
     for f in tmp.iterdir():
-        _fsync_file(f)
-    _fsync_dir(tmp)
+        fsync_file(f)
+    fsync_dir(tmp)
     if final.exists():  # a re-run of the same step (e.g. after a requeue): replace it atomically
         old = root / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
@@ -57,7 +46,7 @@ def save_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(stale, ignore_errors=True)
     return final

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fp8rl_core.atomic import fsync_dir, fsync_file
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.llama import CausalLM
 
@@ -163,7 +164,7 @@ def save_pretrained(model: CausalLM, path: str | Path, quantization: str | None 
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path)
     _atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n"))
-    _fsync_dir(path)
+    fsync_dir(path)
     return path
 
 
@@ -204,16 +205,7 @@ def _atomic_write(final: Path, write) -> None:
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fsync_file(tmp)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
