@@ -62,12 +62,16 @@ def ci_note(cs: Sequence[Curve], pooled: str = "") -> str:
 
 
 def _plot(ax, cs: Sequence[Curve], labels: Sequence[str], colors, styles, markers, scale: float,
-          band_alpha: float) -> None:
+          band_alpha: float, bounds: tuple[float, float] | None = None) -> None:
+    """bounds: the metric's range (an accuracy lies in [0, 100] %): CI bands are clipped to it."""
     for c, label, color, style, marker in zip(cs, labels, colors, styles, markers):
         ax.plot(c.steps, c.mean * scale, color=color, linestyle=style, linewidth=2.0, label=label, marker=marker,
                 markersize=4.5, markerfacecolor="white" if marker not in (None, "o") else color)
         if np.isfinite(c.half).any():  # NaN half-widths (n < 2) leave gaps in the band
-            ax.fill_between(c.steps, c.lo * scale, c.hi * scale, color=color, alpha=band_alpha, linewidth=0)
+            lo, hi = c.lo * scale, c.hi * scale
+            if bounds is not None:
+                lo, hi = np.clip(lo, *bounds), np.clip(hi, *bounds)
+            ax.fill_between(c.steps, lo, hi, color=color, alpha=band_alpha, linewidth=0)
 
 
 def _finish(ax, title: str, subtitle: str, xlabel: str, ylabel: str, note: str, legend_title: str) -> None:
@@ -129,9 +133,9 @@ def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_
     fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
     labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]
     _plot(ax, cs, labels, [recipe_color(r, recipes) for r in recipes], [is_style(v, variants) for v in variants],
-          [IS_MARKERS.get(v, "P") for v in variants], scale, 0.09)
+          [IS_MARKERS.get(v, "P") for v in variants], scale, 0.09, bounds=(0.0, scale))
     _finish(ax, "Figure 2 · Validation accuracy", _subtitle(data), "RL step",
-            "validation accuracy (%, greedy)" if scale == 100 else "validation accuracy", ci_note(cs),
+            "validation accuracy (%, pass@1 at rollout T)" if scale == 100 else "validation accuracy", ci_note(cs),
             "recipe · importance sampling")
     return fig
 
