@@ -1,6 +1,8 @@
 """Checkpoints: atomic (a crash mid-write leaves the previous one), safe to load, pruned."""
 import random
 
+import pytest
+
 import torch
 
 from fp8rl_core import checkpoint as ck
@@ -28,10 +30,8 @@ def test_half_written_checkpoint_is_invisible(tmp_path, monkeypatch):
         raise KeyboardInterrupt("killed mid-write")
 
     monkeypatch.setattr(ck.torch, "save", boom)
-    try:
+    with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(tmp_path, 2, {"w": torch.ones(2)}, {"step": 2})
-    except KeyboardInterrupt:
-        pass
     latest = ck.latest_checkpoint(tmp_path)
     assert latest.name == "step_00000001"
     assert torch.equal(ck.load_checkpoint(latest)[0]["w"], torch.zeros(2))
