@@ -78,7 +78,7 @@ class TaskSpec:
 
 @dataclass
 class WarmStartSpec:
-    steps: int = 1000  # supervised steps before RL; 1000 -> ~20% greedy accuracy on the default task
+    steps: int = 1800  # supervised steps before RL: 1000 -> 20%, 1800 -> 36%, 3000 -> 90% greedy val accuracy
     batch_size: int = 64
     lr: float = 2e-3
     cache_dir: str = ".fp8rl/warmstart"  # keyed by a hash of (model, task, warmstart) config

@@ -209,6 +209,7 @@ def test_preempted_checkpointable_job_requeues_and_resumes(slurm_cluster, tmp_pa
     first_after = next(i for i, (_, restart, _) in enumerate(steps) if restart == "1")
     gap = float(steps[first_after][2]) - float(steps[first_after - 1][2])
     print(f"requeue gap (last step before -> first step after): {gap:.1f}s")
-    # cred_expire=10 + a short sched_interval give ~13 s; SLURM's defaults give ~150 s.
-    assert gap < 45, f"the requeued job restarted {gap:.0f}s later (check AuthInfo/SchedulerParameters)"
+    # cred_expire=10 + a short sched_interval give ~13 s; SLURM's defaults give ~150 s. The bound sits
+    # between the two with room for a loaded 2-core machine (a configuration check, not a benchmark).
+    assert gap < 100, f"the requeued job restarted {gap:.0f}s later (check AuthInfo/SchedulerParameters)"
     assert final_state(job) == "COMPLETED"
