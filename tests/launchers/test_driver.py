@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _sweep_fakes import FakeScheduler, fake_run, mlflow_db, write_sweep
+from _sweep_fakes import FakeScheduler, fake_run, write_sweep
 from mlflow import MlflowClient
 
 from launchers import survey
@@ -32,13 +32,6 @@ grid:
 launcher: {kind: debug, retries: 1}
 tracking: {uri: "sqlite:///mlflow.db"}
 """
-
-
-@pytest.fixture
-def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    mlflow_db(tmp_path / "mlflow.db")
-    return tmp_path
 
 
 def runs(uri: str, experiment: str = "drv") -> dict[str, object]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from _sweep_fakes import FakeScheduler, fake_accuracy, fake_run, mlflow_db, write_sweep
+from _sweep_fakes import FakeScheduler, fake_accuracy, fake_run, write_sweep
 from mlflow import MlflowClient
 
 from launchers.search import CELL_ATTR, TRIAL_TAG, load_study, open_storage, run_search
@@ -36,13 +36,6 @@ search:
 launcher: {kind: debug}
 tracking: {uri: "sqlite:///mlflow.db"}
 """
-
-
-@pytest.fixture
-def cwd(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    mlflow_db(tmp_path / "mlflow.db")
-    return tmp_path
 
 
 def go(sweep, **kw) -> tuple[int, str]:
