@@ -25,22 +25,6 @@ class SweepStore:
 
 
 @pytest.fixture(scope="session")
-def mlflow_template_db(tmp_path_factory) -> Path:
-    from mlflow import MlflowClient
-
-    db = tmp_path_factory.mktemp("analysis_template") / "mlflow.db"
-    MlflowClient(f"sqlite:///{db}").search_experiments()  # MLflow's migrations, once (~6 s)
-    return db
-
-
-@pytest.fixture
-def empty_uri(tmp_path: Path, mlflow_template_db: Path) -> str:
-    db = tmp_path / "mlflow.db"
-    shutil.copy(mlflow_template_db, db)
-    return f"sqlite:///{db}"
-
-
-@pytest.fixture(scope="session")
 def sweep_store(tmp_path_factory, mlflow_template_db: Path) -> SweepStore:
     from analysis.synthetic import log_sweep, synthetic_runs
 

@@ -48,13 +48,13 @@ def test_one_bulk_query_per_key_not_per_run(sweep_store, monkeypatch):
     assert set(data.runs[0].metrics) == {"token_mult_prob_error", "val_accuracy"}
 
 
-def test_first_logged_value_wins_on_duplicate_steps(empty_uri):
+def test_first_logged_value_wins_on_duplicate_steps(sqlite_uri):
     runs = synthetic_runs(recipes=("bf16",), is_variants=("none",), seeds=1, steps=3)
-    log_sweep(empty_uri, "e", "dup", runs)
+    log_sweep(sqlite_uri, "e", "dup", runs)
     run_id = runs[0].run_id
-    MlflowClient(empty_uri).update_run(run_id, status="RUNNING")  # metrics can be logged again
-    MlflowClient(empty_uri).log_batch(run_id, metrics=[Metric("loss", 123.0, 1_800_000_000_000, 1)], synchronous=True)
-    data = fetch_sweep(empty_uri, "e", sweep_name="dup")
+    MlflowClient(sqlite_uri).update_run(run_id, status="RUNNING")  # metrics can be logged again
+    MlflowClient(sqlite_uri).log_batch(run_id, metrics=[Metric("loss", 123.0, 1_800_000_000_000, 1)], synchronous=True)
+    data = fetch_sweep(sqlite_uri, "e", sweep_name="dup")
     steps, values = data.runs[0].series("loss")
     np.testing.assert_array_equal(steps, [0, 1, 2])
     assert values[1] == runs[0].metrics["loss"][1][1] != 123.0

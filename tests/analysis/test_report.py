@@ -24,13 +24,13 @@ def test_report_files_and_parent_artifacts(sweep_store, tmp_path):
     assert all(f"| {i} |" in claims for i in range(1, 5))
 
 
-def test_mid_sweep_report(empty_uri, tmp_path):
+def test_mid_sweep_report(sqlite_uri, tmp_path):
     runs = synthetic_runs(seeds=2, steps=11)
     runs[0].metrics = {k: (s[:4], v[:4]) for k, (s, v) in runs[0].metrics.items()}  # still running, 4 steps in
     runs[0].status = "RUNNING"
-    log_sweep(empty_uri, "fp8rl", "mid", runs)
-    MlflowClient(empty_uri).update_run(runs[0].run_id, status="RUNNING")
-    paths = make_report(empty_uri, "fp8rl", "mid", tmp_path, log_artifacts=False)
+    log_sweep(sqlite_uri, "fp8rl", "mid", runs)
+    MlflowClient(sqlite_uri).update_run(runs[0].run_id, status="RUNNING")
+    paths = make_report(sqlite_uri, "fp8rl", "mid", tmp_path, log_artifacts=False)
     assert paths.statuses == {"FINISHED": 11, "RUNNING": 1} and paths.logged_to is None
     assert "(11 FINISHED, 1 RUNNING)" in paths.report.read_text()
 
