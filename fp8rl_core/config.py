@@ -45,19 +45,19 @@ class Fp8Spec:
 
 @dataclass
 class TaskSpec:
-    name: Literal["arithmetic", "jsonl"] = "arithmetic"
+    name: Literal["arithmetic", "jsonl"] = "arithmetic"  # generated a+b= prompts, or prompt/answer pairs from files
     digits: int = 2  # arithmetic: max digits per operand
-    min_digits: int = 1
-    operators: list[str] = field(default_factory=lambda: ["+", "-"])
+    min_digits: int = 1  # arithmetic: min digits per operand
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, *
     val_size: int = 128  # held-out prompts, disjoint from training prompts
     data_seed: int = 1234  # the task's data is fixed across cells (seed varies the run, not the data)
     train_path: str | None = None  # jsonl: {"prompt": ..., "answer": ...} per line
-    val_path: str | None = None
-    answer_type: Literal["auto", "numeric", "string"] = "auto"
+    val_path: str | None = None  # jsonl: held-out prompts (None: a seeded split of train_path)
+    answer_type: Literal["auto", "numeric", "string"] = "auto"  # jsonl: auto is numeric when every answer is a number
     # arithmetic warm start: operands of at most this many digits (None: `digits`), except for a
     # `warmstart_full_fraction` of examples drawn from the RL distribution (fp8rl_core/tasks/arithmetic.py)
     warmstart_digits: int | None = None
-    warmstart_full_fraction: float = 0.0
+    warmstart_full_fraction: float = 0.0  # share of warm-start examples with operands of up to `digits` digits
     warmstart_label_noise: float = 0.0  # share of warm-start targets with one digit corrupted
 
     def validate(self) -> None:
@@ -79,8 +79,8 @@ class TaskSpec:
 @dataclass
 class WarmStartSpec:
     steps: int = 1800  # supervised steps before RL: 1000 -> 20%, 1800 -> 36%, 3000 -> 90% greedy val accuracy
-    batch_size: int = 64
-    lr: float = 2e-3
+    batch_size: int = 64  # examples per supervised step
+    lr: float = 2e-3  # AdamW learning rate of the warm start
     cache_dir: str = ".fp8rl/warmstart"  # keyed by a hash of (model, task, warmstart) config
 
 
@@ -88,9 +88,9 @@ class WarmStartSpec:
 class RolloutSpec:
     prompts_per_step: int = 16  # P
     samples_per_prompt: int = 8  # G
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: int = 8  # generation length limit per sample
+    temperature: float = 1.0  # sampling temperature; training log-probs use it too
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = 0  # 0: off
 
     def validate(self) -> None:
@@ -104,12 +104,12 @@ class RolloutSpec:
 
 @dataclass
 class LossSpec:
-    importance_sampling: ISVariant = "none"
+    importance_sampling: ISVariant = "none"  # mismatch correction weights (fp8rl_core/importance.py)
     is_cap: float = 2.0  # tis: w <- min(w, cap)
     is_low: float = 0.5  # icepop: keep tokens with low <= w <= high
-    is_high: float = 5.0
+    is_high: float = 5.0  # icepop: see is_low
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2
+    clip_high: float = 0.2  # see clip_low
     kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy
     kl_clamp: float = 10.0  # clamp of the per-token log-ratio inside k3
 
@@ -121,10 +121,10 @@ class LossSpec:
 @dataclass
 class OptimSpec:
     lr: float = 3e-5  # measured: 3e-5 raised greedy val accuracy 20%->29% in 225 steps; 1e-4 and 3e-4 did not
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2]
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global gradient norm (<= 0: off)
     micro_steps: int = 1  # optimizer steps per rollout batch (>1 makes later steps off-policy)
 
 
@@ -133,41 +133,41 @@ class TrainSpec:
     steps: int = 60  # RL steps (rollout batches)
     val_every: int = 5  # validation every K steps, and at step 0 and the last step
     val_samples: int = 4  # val_accuracy = pass@1 over this many samples per held-out prompt (0: greedy)
-    checkpoint_every: int = 10
+    checkpoint_every: int = 10  # checkpoint every K steps and at the last step (resume point)
 
 
 @dataclass
 class EngineSpec:
-    generation: Literal["native", "vllm"] = "native"
-    training: Literal["native", "megatron"] = "native"
+    generation: Literal["native", "vllm"] = "native"  # vllm needs CUDA and the vllm extra
+    training: Literal["native", "megatron"] = "native"  # megatron: Megatron-Core + Transformer Engine (CUDA)
 
 
 @dataclass
 class TrackingSpec:
     uri: str | None = None  # MLflow tracking URI; None: local JSONL sink only
-    experiment: str = "fp8rl"
+    experiment: str = "fp8rl"  # MLflow experiment name
     run_id: str | None = None  # set by the sweep driver: the cell's MLflow run
-    parent_run_id: str | None = None
-    tags: dict[str, str] = field(default_factory=dict)
+    parent_run_id: str | None = None  # set by the sweep driver: the sweep's MLflow run
+    tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags of the run
 
 
 @dataclass
 class RunConfig:
-    recipe: str = "bf16"
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    recipe: str = "bf16"  # a name in fp8rl_core/recipes.py: bf16, fp8_gen, fp8_e2e
+    seed: int = 0  # init, sampling and prompt order (the task's data: task.data_seed)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
     threads: int = 0  # torch intra-op threads (0: torch's default)
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, logs of this run
-    model: ModelSpec = field(default_factory=ModelSpec)
-    fp8: Fp8Spec = field(default_factory=Fp8Spec)
-    task: TaskSpec = field(default_factory=TaskSpec)
-    warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)
-    rollout: RolloutSpec = field(default_factory=RolloutSpec)
-    loss: LossSpec = field(default_factory=LossSpec)
-    optim: OptimSpec = field(default_factory=OptimSpec)
-    train: TrainSpec = field(default_factory=TrainSpec)
-    engines: EngineSpec = field(default_factory=EngineSpec)
-    tracking: TrackingSpec = field(default_factory=TrackingSpec)
+    model: ModelSpec = field(default_factory=ModelSpec)  # the policy: a preset or a local HF checkpoint
+    fp8: Fp8Spec = field(default_factory=Fp8Spec)  # blockwise-FP8 options for the linears a recipe quantizes
+    task: TaskSpec = field(default_factory=TaskSpec)  # prompts and the answers the reward checks
+    warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)  # supervised warm start before RL (cached)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)  # sampling: P prompts x G samples per step
+    loss: LossSpec = field(default_factory=LossSpec)  # GRPO loss: importance sampling, clipping, KL
+    optim: OptimSpec = field(default_factory=OptimSpec)  # AdamW of the RL steps
+    train: TrainSpec = field(default_factory=TrainSpec)  # RL steps, validation, checkpoints
+    engines: EngineSpec = field(default_factory=EngineSpec)  # which engines generate and train
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # where the run logs (MLflow, or JSONL only)
 
     def validate(self) -> None:
         if self.recipe not in RECIPES:

@@ -79,15 +79,15 @@ def slurm_minutes(value: int | str, key: str = "time") -> int:
 
 @dataclass
 class SlurmSpec:
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
+    partition: str | None = None  # sbatch --partition (null: the cluster's default)
+    account: str | None = None  # sbatch --account
+    qos: str | None = None  # sbatch --qos
     time: int | str = 60  # per job; a job that times out checkpoints and is requeued by submitit
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int | None = None
-    cpus_per_task: int | None = None
-    mem_gb: float | None = None
+    nodes: int = 1  # nodes per job (one job per cell)
+    tasks_per_node: int = 1  # sbatch --ntasks-per-node
+    gpus_per_node: int | None = None  # sbatch --gpus-per-node (null: none requested)
+    cpus_per_task: int | None = None  # sbatch --cpus-per-task (null: the cluster's default)
+    mem_gb: float | None = None  # memory per node in GB, sbatch --mem (null: the cluster's default)
     signal_delay_s: int = 90  # USR2 this long before the time limit: time to write a checkpoint
     python: str | None = None  # command that runs python on the nodes (default: the interpreter running `sweep`)
     setup: list[str] = field(default_factory=list)  # shell lines run before the job (module load, exports)
@@ -149,11 +149,11 @@ class TrackingSpec:
 @dataclass
 class SearchParamSpec:
     type: Literal["float", "int", "categorical"] | None = None  # required
-    low: int | float | None = None
-    high: int | float | None = None
-    log: bool = False
-    step: int | float | None = None
-    choices: list[Any] | None = None
+    low: int | float | None = None  # float, int: lower end of the range
+    high: int | float | None = None  # float, int: upper end of the range
+    log: bool = False  # float, int: sample on a log scale (needs low > 0)
+    step: int | float | None = None  # float, int: sample multiples of step from low (not with log)
+    choices: list[Any] | None = None  # categorical: the values (null, bool, number or string)
 
     def validate(self) -> None:
         if self.type is None:
@@ -191,9 +191,9 @@ class SearchParamSpec:
 @dataclass
 class SearchSpec:
     params: dict[str, SearchParamSpec] = field(default_factory=dict)  # dotted run-config key -> range
-    sampler: Literal["tpe", "random", "grid"] = "tpe"
+    sampler: Literal["tpe", "random", "grid"] = "tpe"  # Optuna sampler; grid: every combination of the choices
     metric: str = "val_accuracy"  # the trial's value: this metric's last logged value
-    direction: Literal["minimize", "maximize"] = "maximize"
+    direction: Literal["minimize", "maximize"] = "maximize"  # whether a larger or a smaller metric is better
     n_trials: int | None = None  # required, except for sampler grid (default: the grid's size)
     parallel: int = 1  # trials running at once
     storage: str | None = None  # default: journal file <folder>/optuna.journal; or an RDB URL
@@ -230,16 +230,16 @@ def _check_storage(storage: str) -> None:
 
 @dataclass
 class SweepSpec:
-    experiment: str = ""
-    description: str = ""
-    base_config: str | None = None
-    base: dict[str, Any] = field(default_factory=dict)
-    grid: dict[str, list[Any]] = field(default_factory=dict)
-    zip: list[dict[str, list[Any]]] = field(default_factory=list)
-    exclude: list[dict[str, Any]] = field(default_factory=list)
-    launcher: LauncherSpec = field(default_factory=LauncherSpec)
-    tracking: TrackingSpec = field(default_factory=TrackingSpec)
-    search: SearchSpec | None = None
+    experiment: str = ""  # required: the sweep's name (MLflow experiment, SLURM job name, default folder)
+    description: str = ""  # free text for readers (the engine does not use it)
+    base_config: str | None = None  # a run-config YAML file, relative to the sweep file
+    base: dict[str, Any] = field(default_factory=dict)  # run config of every cell, merged over base_config
+    grid: dict[str, list[Any]] = field(default_factory=dict)  # dotted run-config key -> values; cells: the product
+    zip: list[dict[str, list[Any]]] = field(default_factory=list)  # groups of keys varied together (equal lengths)
+    exclude: list[dict[str, Any]] = field(default_factory=list)  # partial assignments to drop (a list: any of it)
+    launcher: LauncherSpec = field(default_factory=LauncherSpec)  # how the cells run: local, SLURM or in-process
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # the MLflow store every cell logs to
+    search: SearchSpec | None = None  # an Optuna search instead of grid/zip/exclude
 
     def validate(self) -> None:
         if not self.experiment:
