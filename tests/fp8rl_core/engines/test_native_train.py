@@ -13,10 +13,10 @@ from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.fp8 import Fp8Linear
 from fp8rl_core.model import ModelConfig, build_model
+from _train_batches import B, PROMPT, T, make_batch
 
 CFG = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
-PROMPT, T, B = 4, 12, 4
 
 
 def make_model(seed: int = 0):
@@ -24,17 +24,6 @@ def make_model(seed: int = 0):
     return build_model(CFG)
 
 
-def make_batch(seed: int = 1) -> TrainBatch:
-    """B right-padded sequences: PROMPT prompt tokens, then responses of lengths 8, 6, 3, 8."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, CFG.vocab_size, (B, T), generator=g)
-    lengths = torch.tensor([8, 6, 3, 8])
-    pos = torch.arange(T)
-    attn = pos[None] < PROMPT + lengths[:, None]
-    resp = attn & (pos[None] >= PROMPT)
-    ids = torch.where(attn, ids, torch.zeros_like(ids))
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None].expand(B, T) * resp
-    return TrainBatch(ids, attn, resp, advantages=adv.contiguous())
 
 
 def ref_logprobs64(model: nn.Module, batch: TrainBatch, temperature: float, autocast: bool) -> torch.Tensor:
@@ -51,7 +40,7 @@ def ref_logprobs64(model: nn.Module, batch: TrainBatch, temperature: float, auto
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-5)])
 def test_logprobs_match_float64_reference(dtype, atol):
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(), make_batch(CFG.vocab_size)
     engine = NativeTrainingEngine(model, temperature=0.7, compute_dtype=dtype)
     lp = engine.logprobs(batch)
     assert lp.dtype == torch.float32 and lp.shape == (B, T)
@@ -63,7 +52,7 @@ def test_logprobs_match_float64_reference(dtype, atol):
 def test_gradient_equals_independent_policy_gradient():
     """On-policy (ratio 1, inside the clip), L = -(1/n) sum_valid A_t log p_t: compare the gradient the
     engine steps with against autograd of that formula on a copy of the model (float64 log-softmax)."""
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(), make_batch(CFG.vocab_size)
     twin = make_model()
     engine = NativeTrainingEngine(model, compute_dtype=torch.float32, optim=OptimSpec(grad_clip=0.0))
     captured = {}
@@ -87,7 +76,7 @@ def test_gradient_equals_independent_policy_gradient():
 
 
 def test_train_step_moves_logprobs_along_advantages():
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(), make_batch(CFG.vocab_size)
     engine = NativeTrainingEngine(model, optim=OptimSpec(lr=1e-3))
     before = engine.logprobs(batch)
     w0 = model.model.layers[0].mlp.up_proj.weight.detach().clone()
@@ -101,7 +90,7 @@ def test_train_step_moves_logprobs_along_advantages():
 
 
 def test_sft_steps_reduce_cross_entropy():
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(), make_batch(CFG.vocab_size)
     engine = NativeTrainingEngine(model, optim=OptimSpec(lr=3e-3))
     losses = [engine.sft_step(batch.input_ids, batch.response_mask, batch.attention_mask)["sft_loss"]
               for _ in range(6)]
@@ -109,7 +98,7 @@ def test_sft_steps_reduce_cross_entropy():
 
 
 def test_fp8_e2e_uses_fp8_linear_and_trains():
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(), make_batch(CFG.vocab_size)
     bf16 = NativeTrainingEngine(make_model()).logprobs(batch)
     engine = NativeTrainingEngine(model, fp8_training=True, fp8_spec=Fp8Spec(bf16_first_layers=1))
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -130,7 +119,7 @@ def test_fp8_e2e_uses_fp8_linear_and_trains():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_state_dict_round_trip_reproduces_next_step_bit_exactly(fp8):
-    batch = make_batch()
+    batch = make_batch(CFG.vocab_size)
     a = NativeTrainingEngine(make_model(0), fp8_training=fp8, optim=OptimSpec(lr=1e-3, weight_decay=0.01))
     a.train_step(batch)
     buf = io.BytesIO()
@@ -155,7 +144,7 @@ def test_weights_are_hf_named_views():
 
 
 def test_non_finite_loss_or_grad_raises_without_stepping():
-    model, batch = make_model(), make_batch()
+    model, batch = make_model(), make_batch(CFG.vocab_size)
     engine = NativeTrainingEngine(model)
     before = {k: v.clone() for k, v in engine.weights().items()}
     bad = batch.advantages.clone()
@@ -179,7 +168,7 @@ def test_rejects_non_fp32_master_weights():
 def test_loss_spec_reaches_policy_loss():
     """KL term and clipping come from LossSpec: loss = pg_loss + kl_coef * kl; a zero-width clip
     range with old log-probs 0.5 below the current ones clips every token with A > 0."""
-    batch = make_batch()
+    batch = make_batch(CFG.vocab_size)
     engine = NativeTrainingEngine(make_model(), loss=LossSpec(kl_coef=0.1, clip_low=0.0, clip_high=0.0))
     lp = engine.logprobs(batch)
     batch.old_logprobs = lp - 0.5 * batch.response_mask

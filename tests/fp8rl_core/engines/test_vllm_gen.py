@@ -1,0 +1,433 @@
+"""The vLLM generation backend: its pure pieces on the CPU (vLLM's outputs faked at the boundary with
+plain dataclasses shaped like vllm.outputs.RequestOutput / CompletionOutput / vllm.logprobs.Logprob),
+and, where vLLM and a CUDA GPU exist, the real engine against our native training engine.
+
+References are independent of the code under test: block scales from a float64 amax, dequantization
+by explicit block expansion, the E4M3 rounding bound |x - q*s| <= 2^-4 |x| + 2^-10 s (3 mantissa bits;
+subnormal spacing 2^-9 in scaled units), and hand-written expected tensors for the output conversion.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from fp8rl_core.config import Fp8Spec, run_config_from_dict
+from fp8rl_core.engines import vllm_convert as conv
+from fp8rl_core.engines.base import SamplingParams
+from fp8rl_core.model.config import ModelConfig
+
+# hidden 192 and intermediate 320 are not multiples of 128: partial [128, 128] blocks everywhere
+ODD = ModelConfig(vocab_size=40, hidden_size=192, intermediate_size=320, num_hidden_layers=2,
+                  num_attention_heads=3, num_key_value_heads=1)
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    from fp8rl_core.engines.native_gen import expected_shapes
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        t = torch.randn(shape, generator=g) * (0.05 if len(shape) == 2 else 1.0)
+        if len(shape) == 2 and shape[0] > 64:
+            t[64:70] = 0.0  # an all-zero stretch: its blocks still get a finite scale
+        out[name] = t
+    return out
+
+
+def expand_blocks(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """scale [ceil(N/128), ceil(K/128)] -> [N, K], every block's scale repeated over its elements."""
+    return scale.double().repeat_interleave(128, 0)[: shape[0]].repeat_interleave(128, 1)[:, : shape[1]]
+
+
+def amax_scales(x: torch.Tensor) -> torch.Tensor:
+    """Float64 reference: amax over each [128, 128] block / 448 (1 for an all-zero block)."""
+    n, k = x.shape
+    out = torch.empty(math.ceil(n / 128), math.ceil(k / 128), dtype=torch.float64)
+    for i in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            amax = x[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].double().abs().max()
+            out[i, j] = amax / 448 if amax > 0 else 1.0
+    return out
+
+
+# ---- availability ------------------------------------------------------------------------------
+def test_availability_error_names_the_fix():
+    assert conv.availability_error(True, True) is None
+    no_vllm = conv.availability_error(False, True)
+    assert "pip install 'fp8rl[vllm]'" in no_vllm and "CUDA" not in no_vllm
+    no_cuda = conv.availability_error(True, False)
+    assert "CUDA GPU" in no_cuda and "pip install" not in no_cuda
+    both = conv.availability_error(False, False)
+    assert "pip install 'fp8rl[vllm]'" in both and "CUDA GPU" in both
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
+                    reason="vLLM and CUDA are both here: the engine can be built")
+def test_engine_construction_without_vllm_or_cuda_raises(tmp_path):
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+
+    cfg = run_config_from_dict({"engines": {"generation": "vllm"}, "output_dir": str(tmp_path)})
+    with pytest.raises(RuntimeError, match=r"engines.generation='vllm' cannot run here") as info:
+        VllmGenerationEngine(cfg, ModelConfig())
+    msg = str(info.value)
+    assert ("pip install 'fp8rl[vllm]'" in msg) == (importlib.util.find_spec("vllm") is None)
+    assert ("CUDA GPU" in msg) == (not torch.cuda.is_available())
+
+
+def test_builder_reaches_the_vllm_backend(tmp_path):
+    from fp8rl_core.builder import build_generation_engine
+
+    cfg = run_config_from_dict({"engines": {"generation": "vllm"}, "output_dir": str(tmp_path)})
+    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
+        pytest.skip("vLLM and CUDA are both here")
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        build_generation_engine(cfg, ModelConfig(), "cpu")
+
+
+# ---- refit tensors -------------------------------------------------------------------------------
+def test_refit_tensors_reconstruct_within_the_e4m3_bound():
+    weights = random_weights(ODD)
+    pairs = conv.refit_tensors(weights, ODD, Fp8Spec(), dtype=torch.bfloat16)
+    got = dict(pairs)
+    fp8_names = conv.fp8_weight_names(ODD, Fp8Spec())
+    assert len(fp8_names) == 2 * 7
+    for name in fp8_names:
+        q, s = got[name], got[name + "_scale_inv"]
+        x = weights[name].to(torch.bfloat16).double()  # quantized from the engine-dtype copy
+        n, k = x.shape
+        assert q.dtype == torch.float8_e4m3fn and q.shape == (n, k)
+        assert s.dtype == torch.float32 and s.shape == (math.ceil(n / 128), math.ceil(k / 128))
+        torch.testing.assert_close(s.double(), amax_scales(x), rtol=1e-6, atol=0)
+        sb = expand_blocks(s, (n, k))
+        err = (q.double() * sb - x).abs()
+        assert bool((err <= 2.0**-4 * x.abs() + 2.0**-10 * sb + 1e-12).all()), name
+        assert float(q.double().abs().max()) <= 448.0
+    # everything else: the same tensor in the engine dtype, no scale
+    for name, t in weights.items():
+        if name not in fp8_names:
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16))
+            assert name + "_scale_inv" not in got
+    assert "lm_head.weight" in got and got["lm_head.weight"].dtype == torch.bfloat16  # head stays BF16
+
+
+def test_refit_tensors_keep_layers_tied_head_and_order():
+    cfg = dataclasses.replace(ODD, tie_word_embeddings=True, num_hidden_layers=3)
+    weights = random_weights(cfg)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # trainer state dicts list both
+    spec = Fp8Spec(bf16_first_layers=1, bf16_last_layers=1)
+    names = [n for n, _ in conv.refit_tensors(weights, cfg, spec)]
+    assert "lm_head.weight" not in names
+    scaled = {n[: -len("_scale_inv")] for n in names if n.endswith("_scale_inv")}
+    assert scaled == {f"model.layers.1.{lin}.weight" for lin in conv.LINEARS}
+    assert names.index("model.layers.0.mlp.down_proj.weight") < names.index("model.layers.1.self_attn.q_proj.weight")
+    # no FP8 at all (bf16 recipe)
+    assert not any(n.endswith("_scale_inv") for n, _ in conv.refit_tensors(weights, cfg, None))
+
+
+def test_refit_tensors_power_of_two_scales():
+    pairs = dict(conv.refit_tensors(random_weights(ODD), ODD, Fp8Spec(power_of_two_scales=True)))
+    s = pairs["model.layers.0.mlp.up_proj.weight_scale_inv"].double()
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+
+
+def test_refit_tensors_reject_bad_state_dicts():
+    weights = random_weights(ODD)
+    del weights["model.norm.weight"]
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        conv.refit_tensors(weights, ODD, Fp8Spec())
+    weights = random_weights(ODD)
+    weights["model.layers.1.mlp.gate_proj.weight"][3, 5] = float("nan")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.gate_proj.weight"):
+        conv.refit_tensors(weights, ODD, Fp8Spec())
+
+
+def test_write_checkpoint_is_the_blockwise_fp8_format(tmp_path):
+    from safetensors.torch import load_file
+
+    from fp8rl_core.model import load_pretrained
+
+    weights = random_weights(ODD)
+    path = conv.write_checkpoint(weights, ODD, tmp_path / "ckpt", fp8=True, spec=Fp8Spec(bf16_last_layers=1))
+    hf = json.loads((path / "config.json").read_text())
+    q = hf["quantization_config"]
+    assert {k: q[k] for k in conv.FP8_QUANT_CONFIG} == conv.FP8_QUANT_CONFIG
+    stored = load_file(str(path / "model.safetensors"))
+    assert stored["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.0.self_attn.k_proj.weight_scale_inv"].shape == (1, 2)
+    assert stored["model.layers.1.self_attn.k_proj.weight"].dtype == torch.bfloat16  # kept block
+    assert "model.layers.1.self_attn.k_proj.weight_scale_inv" not in stored
+    # the checkpoint's FP8 tensors are the refit's: one quantization, whichever path loads it
+    refit = dict(conv.refit_tensors(weights, ODD, Fp8Spec(bf16_last_layers=1)))
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"):
+        assert torch.equal(stored[name].view(torch.uint8) if stored[name].dtype == torch.float8_e4m3fn
+                           else stored[name], refit[name].view(torch.uint8)
+                           if refit[name].dtype == torch.float8_e4m3fn else refit[name])
+    back = load_pretrained(path).state_dict()
+    x = weights["model.layers.0.mlp.gate_proj.weight"].to(torch.bfloat16).double()
+    sb = expand_blocks(refit["model.layers.0.mlp.gate_proj.weight_scale_inv"], tuple(x.shape))
+    assert bool(((back["model.layers.0.mlp.gate_proj.weight"].double() - x).abs()
+                 <= 2.0**-4 * x.abs() + 2.0**-10 * sb + 1e-12).all())
+
+
+# ---- engine arguments ----------------------------------------------------------------------------
+def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
+    opts = conv.VllmOptions(gpu_memory_utilization=0.25, enforce_eager=True)
+    spec = Fp8Spec(bf16_first_layers=1)
+    kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=spec, dtype="bfloat16", seed=7, options=opts,
+                         supported={"logprobs_mode"})
+    assert kw["quantization"] == "fp8" and kw["skip_tokenizer_init"] and kw["seed"] == 7
+    qc = kw["hf_overrides"]["quantization_config"]
+    assert {k: qc[k] for k in conv.FP8_QUANT_CONFIG} == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert sorted(qc["ignored_layers"]) == sorted(f"model.layers.0.{lin}" for lin in conv.LINEARS)
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["max_model_len"] == ODD.max_position_embeddings
+    plain = conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0,
+                            options=opts, supported=set())
+    assert "quantization" not in plain and "hf_overrides" not in plain and "logprobs_mode" not in plain
+    assert "ignored_layers" not in conv.fp8_quantization_config(ODD, Fp8Spec())
+
+
+def test_options_from_env():
+    assert conv.options_from_env({}) == conv.VllmOptions()
+    o = conv.options_from_env({"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "0.5", "FP8RL_VLLM_ENFORCE_EAGER": "0"})
+    assert o == conv.VllmOptions(gpu_memory_utilization=0.5, enforce_eager=False)
+    with pytest.raises(ValueError, match="FP8RL_VLLM_GPU_MEMORY_UTILIZATION"):
+        conv.options_from_env({"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "1.5"})
+
+
+def test_choose_refit_method():
+    assert conv.choose_refit_method(["weights_iterator", "weights_path", "is_checkpoint_format"], True) \
+        == "reload_weights"
+    assert conv.choose_refit_method(["weights_iterator", "is_checkpoint_format"], False) == "reload_weights"
+    assert conv.choose_refit_method(None, False) == "load_weights"
+    assert conv.choose_refit_method(["weights_iterator", "process_weights_after_loading"], False) == "load_weights"
+    with pytest.raises(RuntimeError, match="is_checkpoint_format"):
+        conv.choose_refit_method(None, True)
+
+
+def test_sampling_kwargs_and_seeds():
+    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=5, temperature=0.7), 2, conv.PROCESSED)
+    assert kw == {"max_tokens": 5, "logprobs": 1, "detokenize": False, "temperature": 0.7, "stop_token_ids": [2]}
+    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=3, top_p=0.9, top_k=4), None, conv.PROCESSED)
+    assert kw["top_p"] == 0.9 and kw["top_k"] == 4 and "stop_token_ids" not in kw
+    greedy = conv.sampling_kwargs(SamplingParams(max_new_tokens=3, greedy=True, top_k=4), 2, "raw_logprobs")
+    assert greedy["temperature"] == 0.0 and "top_k" not in greedy
+    assert conv.sampling_kwargs(SamplingParams(max_new_tokens=3), 2, "raw_logprobs")["temperature"] == 1.0
+    with pytest.raises(ValueError, match="raw log-probs"):
+        conv.sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.5), 2, "raw_logprobs")
+    a = conv.request_seeds(torch.Generator().manual_seed(3), 6)
+    assert a == conv.request_seeds(torch.Generator().manual_seed(3), 6) and len(set(a)) == 6
+    assert all(0 <= s < 2**31 - 1 for s in a)
+    assert a != conv.request_seeds(torch.Generator().manual_seed(4), 6)
+
+
+# ---- output conversion (a boundary fake of vllm.outputs) ------------------------------------------
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+def fake_output(ids: list[int], lps: list[float], other: int = 31) -> RequestOutput:
+    steps = [{t: Logprob(lp, rank=2), other: Logprob(-0.01, rank=1)} for t, lp in zip(ids, lps)]
+    return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "", ids, sum(lps), steps, "stop")])
+
+
+def test_to_generation_output_pads_masks_and_cuts_after_eos():
+    EOS, PAD = 2, 0
+    outs = [fake_output([5, 6, 2], [-0.5, -1.0, -0.25]),            # ends with EOS
+            fake_output([7, 8, 9, 10], [-0.1, -0.2, -0.3, -0.4]),   # hit max_tokens
+            fake_output([2], [-2.0]),                               # EOS first
+            fake_output([4, 2, 9], [-0.7, -0.8, -0.9])]              # tokens after EOS are dropped
+    g = conv.to_generation_output(outs, EOS, PAD)
+    assert torch.equal(g.response_ids, torch.tensor([[5, 6, 2, 0], [7, 8, 9, 10], [2, 0, 0, 0], [4, 2, 0, 0]]))
+    assert torch.equal(g.response_mask, torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]).bool())
+    want = torch.tensor([[-0.5, -1.0, -0.25, 0], [-0.1, -0.2, -0.3, -0.4], [-2.0, 0, 0, 0], [-0.7, -0.8, 0, 0]])
+    assert g.logprobs.dtype == torch.float32 and torch.equal(g.logprobs, want.float())
+    assert torch.equal(g.finished, torch.tensor([True, False, True, True]))
+    same = conv.to_generation_output(outs[1:2], None, PAD)  # no EOS configured: nothing is cut
+    assert same.response_ids.shape == (1, 4) and not bool(same.finished[0])
+
+
+def test_to_generation_output_needs_logprobs():
+    out = fake_output([5, 6], [-0.5, -1.0])
+    out.outputs[0].logprobs = None
+    with pytest.raises(RuntimeError, match="logprobs must be set"):
+        conv.to_generation_output([out], 2, 0)
+    out = fake_output([5, 6], [-0.5, -1.0])
+    out.outputs[0].logprobs[1] = {31: Logprob(-0.1)}  # the sampled token 6 missing from its step
+    with pytest.raises(RuntimeError, match="row 0, token 1"):
+        conv.to_generation_output([out], 2, 0)
+
+
+# ---- the engine's glue, against a fake vllm module (boundary fake: records calls, returns fakes) ------
+class FakeRunner:
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        raise AssertionError("called through the worker")
+
+
+class FakeLLM:
+    instances: list["FakeLLM"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.reloads, self.resets, self.requests = kwargs, [], 0, []
+        self.worker = type("Worker", (), {"model_runner": FakeRunner(), "reload_weights": lambda *a, **k: None})()
+        FakeLLM.instances.append(self)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        if callable(method):
+            return [method(self.worker, *args, **(kwargs or {}))]
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
+        self.reloads.append(dict(kwargs["weights_iterator"]))
+        return [None]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+        return True
+
+    def generate(self, prompts, params, use_tqdm=True):
+        assert len(prompts) == len(params) and not use_tqdm
+        self.requests.append((prompts, params))
+        return [fake_output([3, 4, 2][: 1 + i % 3], [-0.5, -0.25, -0.125][: 1 + i % 3])
+                for i in range(len(prompts))]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    import importlib.machinery
+    import sys
+    import types
+
+    mod = types.ModuleType("vllm")
+    mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    mod.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["model", "logprobs_mode"])
+    mod.LLM = FakeLLM
+    mod.SamplingParams = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    FakeLLM.instances.clear()
+    return FakeLLM.instances
+
+
+def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+
+    cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path), "seed": 4})
+    engine = VllmGenerationEngine(cfg, ODD)
+    with pytest.raises(RuntimeError, match="refit"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))
+    weights = random_weights(ODD)
+    engine.refit(weights)  # first refit: checkpoint + LLM, no reload
+    (llm,) = fake_vllm
+    assert llm.kwargs["model"] == str(tmp_path / "vllm_checkpoint") and llm.kwargs["quantization"] == "fp8"
+    assert json.loads((tmp_path / "vllm_checkpoint" / "config.json").read_text())["quantization_config"]
+    assert engine.refit_method == "reload_weights" and engine.logprobs_mode == "processed_logprobs"
+    assert llm.reloads == [] and llm.resets == 0
+    engine.refit(random_weights(ODD, seed=1))
+    (sent,) = llm.reloads
+    assert sent["model.layers.1.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert sent["model.layers.1.mlp.up_proj.weight_scale_inv"].shape == (3, 2) and llm.resets == 1
+    prompts = [[1, 5], [1, 6, 7], [1, 8, 9, 10]]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=11))
+    (requests, params) = llm.requests[-1]
+    assert requests == [{"prompt_token_ids": p} for p in prompts]
+    assert [p["seed"] for p in params] == conv.request_seeds(torch.Generator().manual_seed(11), 3)
+    assert params[0]["stop_token_ids"] == [ODD.eos_token_id] and params[0]["max_tokens"] == 3
+    assert torch.equal(out.response_mask.sum(1), torch.tensor([1, 2, 3]))
+    assert torch.equal(out.finished, torch.tensor([False, False, True]))
+    engine.close()
+
+
+# ---- the real thing (CUDA + vLLM) -----------------------------------------------------------------
+def test_vllm_accepts_our_arguments(tmp_path):
+    vllm = pytest.importorskip("vllm")
+    fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=Fp8Spec(), dtype="bfloat16", seed=0,
+                         options=conv.VllmOptions(), supported=fields)
+    assert set(kw) <= fields
+    vllm.SamplingParams(**conv.sampling_kwargs(SamplingParams(max_new_tokens=4), 2, conv.PROCESSED), seed=1)
+
+
+def _peaky_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
+    """A random policy with O(1) logits (the 0.02 init gives a flat distribution: a weak test)."""
+    from fp8rl_core.model import build_model
+
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed" in name:
+                p.normal_(0.0, 1.0)
+            elif p.dim() == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return model
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+def test_vllm_engine_matches_training_engine_and_refits(recipe, tmp_path):
+    pytest.importorskip("vllm")
+    from fp8rl_core.engines.native_train import NativeTrainingEngine
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.metrics import token_mult_prob_error
+    from fp8rl_core.recipes import get_recipe
+    from fp8rl_core.rollout import build_train_batch
+
+    mc = ModelConfig()  # the tiny preset: hidden 256, [128, 128] blocks tile every linear
+    model = _peaky_model(mc, seed=0).cuda()
+    train = NativeTrainingEngine(model, fp8_training=get_recipe(recipe).fp8_training)
+    cfg = run_config_from_dict({"recipe": recipe, "output_dir": str(tmp_path), "device": "cuda",
+                                "engines": {"generation": "vllm"}})
+    gen = VllmGenerationEngine(cfg, mc)
+    prompts = [[1, 5, 7, 9], [1, 3], [1, 4, 4, 8, 15, 16], [1, 20, 21]] * 8
+    sampling = SamplingParams(max_new_tokens=12, seed=5)
+    try:
+        gen.refit(train.weights())
+        out = gen.generate(prompts, sampling)
+        batch = build_train_batch(prompts, out, gen.pad_id)
+        before = token_mult_prob_error(train.logprobs(batch), batch.gen_logprobs, batch.response_mask)
+        again = gen.generate(prompts, sampling)  # same seed, same weights: the same samples
+        assert torch.equal(again.response_ids, out.response_ids)
+        torch.manual_seed(1)
+        with torch.no_grad():  # a new policy: refit must reach the running engine
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.add_(torch.randn_like(p) * p.std())
+        gen.refit(train.weights())
+        out2 = gen.generate(prompts, sampling)
+        batch2 = build_train_batch(prompts, out2, gen.pad_id)
+        after = token_mult_prob_error(train.logprobs(batch2), batch2.gen_logprobs, batch2.response_mask)
+    finally:
+        gen.close()
+    print(f"{recipe}: token_mult_prob_error before refit {before:.5f}, after {after:.5f} "
+          f"(refit via {gen.refit_method}, logprobs {gen.logprobs_mode})")
+    assert before < 1.05 and after < 1.05
+    assert not torch.equal(out2.response_ids, out.response_ids)
