@@ -100,8 +100,9 @@ def _say_start(cfg: RunConfig) -> None:
           f" (SLURM_RESTART_COUNT={restarts})", flush=True)
 
 
-def warm_start_stage(configs: list[dict[str, Any]]) -> list[str]:
-    """Make (or find in the cache) the warm-start checkpoint of each config; the folders' paths."""
+def warm_start_stage(configs: list[dict[str, Any]], progress: bool = True) -> list[str]:
+    """Make (or find in the cache) the warm-start checkpoint of each config; the folders' paths.
+    `progress`: a tqdm bar on stderr (minutes of work: the terminal locally, the job's log on SLURM)."""
     from fp8rl_core.builder import initial_checkpoint, load_tokenizer
     from fp8rl_core.tasks import make_task
 
@@ -109,7 +110,7 @@ def warm_start_stage(configs: list[dict[str, Any]]) -> list[str]:
     for data in configs:
         cfg = run_config_from_dict(data, where="warm-start stage")
         tokenizer = load_tokenizer(cfg)
-        paths.append(str(initial_checkpoint(cfg, tokenizer, make_task(cfg.task), progress=False)))
+        paths.append(str(initial_checkpoint(cfg, tokenizer, make_task(cfg.task), progress=progress)))
     return paths
 
 

@@ -63,6 +63,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q, k, v [B, H, T, D] (causal, or the Bool mask [B, 1, T, T]) -> [B, H, T, D] in q's dtype.
+
+    On the CPU, BF16 inputs are upcast and attended in FP32: the upcast is exact (the values are
+    BF16), the kernel accumulates and normalises in FP32 as GPU flash kernels do, and without AMX
+    torch's BF16 flash-attention backward is ~4x slower than FP32 at our shapes (measured: B=128,
+    H=4, T=16, D=64 fwd+bwd 38 ms BF16 vs 9 ms FP32, 1 thread). Elsewhere: SDPA as is.
+    """
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=mask is None)
+    return out.to(q.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention with RoPE; q/k/v bias for Qwen2 (and Llama's attention_bias)."""
 
@@ -89,7 +104,7 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:  # GQA: each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        out = causal_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
