@@ -78,10 +78,19 @@ class TaskSpec:
 
 @dataclass
 class WarmStartSpec:
-    steps: int = 3000  # supervised steps before RL: 1800 -> 36%, 3000 -> 90% greedy val accuracy (README: the task)
+    steps: int = 6000  # at most this many supervised steps before RL (cosine lr schedule over them)
+    target_accuracy: float | None = 0.9  # stop early once greedy accuracy on the dev prompts reaches it; null: all steps
+    eval_every: int = 250  # steps between dev-accuracy checks (with target_accuracy)
+    dev_size: int = 256  # dev prompts: training-distribution prompts, never validation ones
     batch_size: int = 64  # examples per supervised step
     lr: float = 2e-3  # AdamW learning rate of the warm start
     cache_dir: str = ".fp8rl/warmstart"  # keyed by a hash of (model, task, warmstart) config
+
+    def validate(self) -> None:
+        if self.steps < 0 or self.eval_every < 1 or self.dev_size < 1 or self.batch_size < 1:
+            fail("steps", "need steps >= 0 and eval_every, dev_size, batch_size >= 1")
+        if self.target_accuracy is not None and not 0.0 <= self.target_accuracy <= 1.0:
+            fail("target_accuracy", f"must be in [0, 1] or null, got {self.target_accuracy}")
 
 
 @dataclass

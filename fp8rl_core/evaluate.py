@@ -30,13 +30,20 @@ def _mean_reward(gen: GenerationEngine, tokenizer: Any, task: Any, examples: lis
     return total / max(len(examples), 1)
 
 
+def greedy_accuracy(gen: GenerationEngine, tokenizer: Any, task: Any, examples: list, max_new_tokens: int,
+                    batch_size: int = 512) -> float:
+    """Mean exact-match reward of argmax decoding on `examples` (no sampling stream is used)."""
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+    return _mean_reward(gen, tokenizer, task, examples, greedy, batch_size)
+
+
 def validation_metrics(gen: GenerationEngine, tokenizer: Any, task: Any, sampling: SamplingParams,
                        samples: int, batch_size: int = 512) -> dict[str, float]:
     """{'val_accuracy': sampled pass@1 over `samples` draws per prompt, 'val_accuracy_greedy': ...}."""
     saved = gen.generator.get_state()
     try:
-        greedy = SamplingParams(max_new_tokens=sampling.max_new_tokens, greedy=True)
-        out = {"val_accuracy_greedy": _mean_reward(gen, tokenizer, task, task.val_examples, greedy, batch_size)}
+        out = {"val_accuracy_greedy": greedy_accuracy(gen, tokenizer, task, task.val_examples,
+                                                      sampling.max_new_tokens, batch_size)}
         repeated = [ex for ex in task.val_examples for _ in range(samples)]
         out["val_accuracy"] = (_mean_reward(gen, tokenizer, task, repeated, replace(sampling, seed=VAL_SEED),
                                             batch_size) if samples > 0 else out["val_accuracy_greedy"])

@@ -56,19 +56,42 @@ def sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> t
     return F.cross_entropy(logits[m], target[m])
 
 
-def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> float:
+def dev_examples(cfg: RunConfig, task: Any) -> list:
+    """The warm start's stopping set: `dev_size` training-distribution prompts (never validation ones),
+    drawn from their own seed so that they do not shift the training stream."""
+    return task.sample_train(random.Random(cfg.task.data_seed + 2), cfg.warmstart.dev_size)
+
+
+def dev_accuracy(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, examples: list) -> float:
+    """Greedy exact-match accuracy of `model` on `examples`, decoded by a BF16 generation engine."""
+    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+    from fp8rl_core.evaluate import greedy_accuracy
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    gen = NativeGenerationEngine(model.config, fp8=False, dtype=dtype, device="cpu", seed=0)
+    gen.refit(model.state_dict())
+    return greedy_accuracy(gen, tokenizer, task, examples, cfg.rollout.max_new_tokens)
+
+
+def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> dict[str, float]:
+    """Supervised steps until `steps`, or until greedy dev accuracy >= `target_accuracy` (checked every
+    `eval_every` steps). Why a target: the tiny model learns carries in a sudden drop of the loss whose
+    step moves by >1000 steps with tiny numeric changes (thread count, kernels), so a fixed length
+    gives RL a very different starting policy from one machine to the next; a target does not.
+    Returns {"steps", "final_loss", "dev_accuracy"} (NaN where not measured)."""
     ws = cfg.warmstart
+    done = {"steps": 0, "final_loss": float("nan"), "dev_accuracy": float("nan")}
     if ws.steps == 0:  # RL straight from the initialization (e.g. for benchmarks)
-        return float("nan")
+        return done
     rng = random.Random(cfg.task.data_seed + 1)
+    dev = dev_examples(cfg, task) if ws.target_accuracy is not None else []
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     warmup = max(1, ws.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, cosine decay to 10%
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s / ws.steps, 1.0))))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.model.dtype == "bf16")
-    loss = float("nan")
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, mininterval=2.0)
-    for _ in bar:
+    for step in bar:
         ids, mask = sft_batch(task.warmstart_sample(rng, ws.batch_size), tokenizer, task)
         with autocast:
             value = sft_loss(model, ids, mask)
@@ -77,9 +100,13 @@ def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, pr
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss = value.item()
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-    return loss
+        done.update(steps=step + 1, final_loss=value.item())
+        if dev and (step + 1) % ws.eval_every == 0:
+            done["dev_accuracy"] = dev_accuracy(model, cfg, tokenizer, task, dev)
+        bar.set_postfix(loss=f"{done['final_loss']:.3f}", dev_acc=f"{done['dev_accuracy']:.3f}", refresh=False)
+        if done["dev_accuracy"] >= (ws.target_accuracy if dev else math.inf):
+            break
+    return done
 
 
 def warm_start(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool = True) -> Path:
@@ -99,10 +126,10 @@ def warm_start(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool = True)
         torch.manual_seed(cfg.task.data_seed)
         model = build_model(preset(cfg.model.preset, vocab_size=max(32, tokenizer.vocab_size)),
                             dtype=torch.float32)
-        loss = _train(model, cfg, tokenizer, task, progress)
+        done = _train(model, cfg, tokenizer, task, progress)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(model, tmp, tokenizer=tokenizer)
-        (tmp / "warmstart.txt").write_text(f"steps={cfg.warmstart.steps} final_loss={loss:.4f}\n")
+        (tmp / "warmstart.txt").write_text(" ".join(f"{k}={v:.4g}" for k, v in done.items()) + "\n")
         tmp.rename(final)
     return final

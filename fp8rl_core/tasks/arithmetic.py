@@ -12,12 +12,12 @@ easy): `warmstart_sample` draws operands of at most `warmstart_digits` digits, e
 warmstart_full_fraction=0.05 leaves the 3-digit operands mostly unseen before RL: the policy starts with
 a non-zero reward (the short-operand prompts) and room to climb (the long ones).
 
-Label noise (the default study's choice): `warmstart_label_noise` is the probability that a warm-start
+Label noise (an option; the default study uses a clean warm start and samples at T=2 instead, see
+README "The task and the warm start"): `warmstart_label_noise` is the probability that a warm-start
 target has one digit replaced by another digit, as in noisy human demonstrations. The warm-started
-policy then knows the answer (its greedy mode is mostly right) but samples a corrupted one often, so
-pass@1 at the rollout temperature starts well below its greedy accuracy; the verifier's exact-match
-reward teaches RL to stop corrupting, a behaviour that generalizes across prompts and so shows up on
-the held-out set within tens of steps (measured numbers in README.md).
+policy then knows the answer more often than it samples it, so pass@1 starts below its greedy
+accuracy; measured at T=1 (5000 warm-start steps, noise 0.3): pass@1 34% -> 47% in 700 RL steps,
+then it stalls near the greedy accuracy (~52%).
 """
 from __future__ import annotations
 

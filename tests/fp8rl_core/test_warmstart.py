@@ -4,7 +4,7 @@ import torch
 from fp8rl_core.builder import load_tokenizer
 from fp8rl_core.config import load_run_config
 from fp8rl_core.tasks import make_task
-from fp8rl_core.warmstart import sft_batch, warm_start, warmstart_key
+from fp8rl_core.warmstart import dev_accuracy, dev_examples, sft_batch, warm_start, warmstart_key
 
 
 def _cfg(tmp_path, *extra):
@@ -35,3 +35,55 @@ def test_sft_batch_masks_target_and_eos_only():
         assert target == tok.encode(e.answer, add_bos=False) + [tok.eos_id]
         assert not mask[i, :n_prompt].any()
     assert ids.dtype == torch.long
+
+
+def _stamp(path):
+    return dict(kv.split("=") for kv in (path / "warmstart.txt").read_text().split())
+
+
+def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path):
+    # target 0.0 is reached at the first check (step eval_every); the run must stop there
+    cfg = _cfg(tmp_path, "warmstart.steps=50", "warmstart.eval_every=3", "warmstart.target_accuracy=0.0",
+               "warmstart.dev_size=8", "warmstart.batch_size=4")
+    path = warm_start(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False)
+    stamp = _stamp(path)
+    assert int(stamp["steps"]) == 3 and 0.0 <= float(stamp["dev_accuracy"]) <= 1.0
+
+
+def test_without_target_every_step_runs_and_dev_is_not_measured(tmp_path):
+    cfg = _cfg(tmp_path, "warmstart.steps=5", "warmstart.eval_every=2", "warmstart.target_accuracy=null",
+               "warmstart.batch_size=4")
+    stamp = _stamp(warm_start(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False))
+    assert int(stamp["steps"]) == 5 and stamp["dev_accuracy"] == "nan"
+
+
+def test_dev_prompts_are_fixed_and_never_validation_prompts():
+    cfg = load_run_config(None, ["task.val_size=64", "warmstart.dev_size=200"])
+    task = make_task(cfg.task)
+    dev = dev_examples(cfg, task)
+    assert len(dev) == 200 and dev == dev_examples(cfg, make_task(cfg.task))
+    assert not {e.prompt for e in dev} & {e.prompt for e in task.val_examples}
+
+
+def test_dev_accuracy_counts_exact_greedy_answers(tmp_path):
+    # an untrained model answers (almost) nothing right; the same examples with answers replaced by
+    # the model's own greedy outputs score 1.0 -- so the function scores what the model decodes
+    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+    from fp8rl_core.model import build_model
+    from fp8rl_core.model.config import preset
+    from fp8rl_core.tasks import Example
+    from fp8rl_core.engines.base import SamplingParams
+
+    cfg = load_run_config(None, ["task.val_size=8", "rollout.max_new_tokens=4"])
+    tok, task = load_tokenizer(cfg), make_task(cfg.task)
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=max(32, tok.vocab_size)), dtype=torch.float32)
+    dev = task.sample_train(1, 16)
+    gen = NativeGenerationEngine(model.config, dtype=torch.bfloat16)
+    gen.refit(model.state_dict())
+    out = gen.generate([tok.encode(e.prompt) for e in dev], SamplingParams(max_new_tokens=4, greedy=True))
+    said = [tok.decode(out.response_ids[i, :n].tolist()) for i, n in enumerate(out.response_mask.sum(1).tolist())]
+    echoed = [Example(e.prompt, s) for e, s in zip(dev, said)]
+    assert dev_accuracy(model, cfg, tok, task, echoed) == 1.0
+    right = sum(task.reward(e, s) for e, s in zip(dev, said)) / len(dev)
+    assert dev_accuracy(model, cfg, tok, task, dev) == right
