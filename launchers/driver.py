@@ -203,7 +203,9 @@ class Driver:
             return None
         configs = [to_dict(dataclasses.replace(c, tracking=TrackingSpec())) for c in pending]
         if self.executor.kind != "slurm":
-            self.say(f"warm start: {len(pending)} checkpoint(s) to train ({pending[0].warmstart.steps} steps) ...")
+            ws = pending[0].warmstart
+            until = "" if ws.target_accuracy is None else f", until {ws.target_accuracy:.0%} greedy dev accuracy"
+            self.say(f"warm start: {len(pending)} checkpoint(s) to train (at most {ws.steps} steps{until}) ...")
             t0 = time.time()
             warm_start_stage(configs)
             self.say(f"warm start: done in {time.time() - t0:.0f}s")

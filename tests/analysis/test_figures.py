@@ -94,3 +94,18 @@ def test_no_values_yet_still_draws(tmp_path):
     assert all(p.exists() for ps in paths.values() for p in ps)
     fig = accuracy_figure(SweepData("u", "1", "early", None, runs))
     assert "no values logged yet" in _texts(fig)
+
+
+def test_figure1_axis_is_log_of_excess_labelled_in_ratio_units(data):
+    # heavy-tailed spikes must not flatten the curves: equal ratios of (value - 1) get equal heights
+    ax = mismatch_figure(data).axes[0]
+    assert ax.get_yscale() == "function"
+    to_axes = lambda y: ax.transAxes.inverted().transform(ax.transData.transform((0, y)))[1]  # noqa: E731
+    y1, y2, y3 = (ax.transData.transform((0, v))[1] for v in (1.001, 1.01, 1.1))
+    np.testing.assert_allclose(y2 - y1, y3 - y2, rtol=1e-6)
+    labels = {t.get_text() for t in ax.get_yticklabels()}
+    assert {"1.01", "1.1", "2"} & labels
+    bottom, top = ax.get_ylim()
+    assert 1.0 < bottom < 1.0 + 1e-2 and 0 <= to_axes(1.04) <= 1  # the acceptable band is in view
+    for band in (c for c in ax.collections if isinstance(c, PolyCollection)):
+        assert band.get_paths()[0].vertices[:, 1].min() > 1.0  # CI clipped: the ratio is never below 1
