@@ -11,7 +11,7 @@ Same on both sides, so that only the implementation differs:
 - tokenizer: our character tokenizer saved as an HF tokenizer, with a BOS post-processor so that TRL's
   prompt ids equal ours token for token;
 - data: the same arithmetic prompts in the same order (drawn from a copy of our run's data RNG; TRL's
-  dataset is not shuffled), P prompts x G samples per step, at most `--max-new-tokens` new tokens, T=1;
+  dataset is not shuffled), P prompts x G samples per step, at most `--max-new-tokens` new tokens, the run config's rollout temperature (2.0 by default);
 - reward: the task's exact match; one optimizer step per rollout batch (TRL: num_iterations=1,
   steps_per_generation=1), no KL (beta=0), ratio clip 0.2, AdamW at our lr, grad clip 1.0;
 - threads: torch.set_num_threads(--threads) for both, in this one process.
