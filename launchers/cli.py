@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from launchers.executors.local import restore_sigint
+
+    restore_sigint()  # Ctrl-C and `sweep cancel` work even under `nohup ... &`
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

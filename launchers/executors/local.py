@@ -37,12 +37,28 @@ def controller_alive(pid: int, folder: Path | None = None) -> bool:
     return folder is None or any(str(folder) in a for a in argv)
 
 
+def restore_sigint() -> None:
+    """Give SIGINT back its KeyboardInterrupt handler when this process inherited it as ignored.
+
+    Why: `nohup sweep run ... &` and `&` in non-interactive shells start a process with SIGINT
+    ignored, and exec'd children inherit that. Local cancellation is SIGINT to each submitit
+    controller (which turns it into KeyboardInterrupt and stops its task), so under an ignored
+    SIGINT `sweep cancel` and Ctrl-C would silently do nothing. A Python handler here is reset to
+    the default on exec, so every process we start can be cancelled again. Main thread only.
+    """
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class LocalExecutor:
     kind = "local"
 
     def __init__(self, folder: Path, max_parallel: int, signal_delay_s: int = 30):
         import submitit
 
+        restore_sigint()  # before any controller starts: they must inherit a cancellable SIGINT
         self.folder = Path(folder)
         self.max_parallel = max_parallel
         self._ex = submitit.LocalExecutor(folder=self.folder / "jobs")  # files named by job id

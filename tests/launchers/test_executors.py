@@ -150,3 +150,25 @@ def test_make_executor_by_kind(tmp_path, monkeypatch):
     assert local.max_parallel == 3 and local.folder == tmp_path / "outputs" / "e"
     slurm = make_executor(load_sweep_text(text % "slurm", cwd=tmp_path))
     assert slurm.submission.parameters["array_parallelism"] == 3
+
+
+def _sigint_ignored_in_child(restore: bool) -> tuple[bool, bool]:
+    """Start Python with SIGINT ignored (as `nohup ... &` does); optionally restore_sigint(); then
+    report (KeyboardInterrupt handler installed?, SIGINT ignored in a process it starts?)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import signal, subprocess\n"
+            "from launchers.executors.local import restore_sigint\n"
+            f"{'restore_sigint()' if restore else ''}\n"
+            "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+            "print(subprocess.run(['grep', 'SigIgn', '/proc/self/status'], capture_output=True, text=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)).stdout.split("\n")
+    return out[0] == "True", bool(int(out[1].split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
+def test_restore_sigint_makes_processes_cancellable_under_nohup():
+    assert _sigint_ignored_in_child(restore=False) == (False, True)  # the trap: children ignore SIGINT too
+    assert _sigint_ignored_in_child(restore=True) == (True, False)

@@ -28,7 +28,7 @@ def warm(tmp_path_factory):
 
 def _mismatch(warm, recipe: str) -> float:
     cfg, tok, task, path = warm
-    cfg = load_run_config(None, [f"recipe={recipe}", "device=cpu"])
+    cfg = load_run_config(None, [f"recipe={recipe}", "device=cpu", "rollout.temperature=1.0"])  # = SamplingParams
     import json
 
     mc = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
