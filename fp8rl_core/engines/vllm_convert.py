@@ -36,11 +36,11 @@ from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.native_gen import check_state_dict, expected_shapes
 from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.fp8_policy import bf16_blocks
+from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG
 
 INSTALL_HINT = "pip install 'fp8rl[vllm]'"
-FP8_BLOCK = (128, 128)
-FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": list(FP8_BLOCK)}
+FP8_QUANT_CONFIG = FP8_BLOCK_CONFIG  # NeMo RL's hf_overrides for vLLM: the checkpoint's own config
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 REFIT_METHODS = ("reload_weights", "load_weights")
@@ -83,16 +83,9 @@ def options_from_env(env: Mapping[str, str] | None = None) -> VllmOptions:
     return VllmOptions(gpu_memory_utilization=util, enforce_eager=eager)
 
 
-def kept_blocks(config: ModelConfig, spec: Fp8Spec) -> list[int]:
-    """Transformer blocks whose linears stay in the dtype (Fp8Spec.bf16_first/last_layers)."""
-    from fp8rl_core.model.fp8_policy import bf16_blocks
-
-    return bf16_blocks(config, spec)
-
-
 def fp8_weight_names(config: ModelConfig, spec: Fp8Spec) -> list[str]:
     """HF names of the linear weights that are FP8 (every block linear except the kept blocks; never lm_head)."""
-    kept = set(kept_blocks(config, spec))
+    kept = set(bf16_blocks(config, spec))
     return [f"model.layers.{i}.{lin}.weight" for i in range(config.num_hidden_layers) if i not in kept
             for lin in LINEARS]
 
@@ -100,7 +93,7 @@ def fp8_weight_names(config: ModelConfig, spec: Fp8Spec) -> list[str]:
 def fp8_quantization_config(config: ModelConfig, spec: Fp8Spec) -> dict[str, Any]:
     """The `hf_overrides={"quantization_config": ...}` dict of an FP8 recipe (NeMo RL's, + ignored_layers)."""
     q: dict[str, Any] = dict(FP8_QUANT_CONFIG)
-    ignored = [f"model.layers.{i}.{lin}" for i in kept_blocks(config, spec) for lin in LINEARS]
+    ignored = [f"model.layers.{i}.{lin}" for i in bf16_blocks(config, spec) for lin in LINEARS]
     if ignored:
         q["ignored_layers"] = ignored
     return q

@@ -24,6 +24,9 @@ from fp8rl_core.model.llama import CausalLM
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
 FP8_BLOCK = (128, 128)
+# The `quantization_config` of a block-FP8 checkpoint (DeepSeek-V3 / vLLM / transformers' fp8 method)
+FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": list(FP8_BLOCK)}
 SCALE_SUFFIX = "_scale_inv"  # `x.weight_scale_inv` is the dequantization multiplier of `x.weight`
 IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; we compute RoPE on the fly
 
@@ -158,8 +161,7 @@ def save_pretrained(model: CausalLM, path: str | Path, quantization: str | None 
     hf["torch_dtype"] = str(state["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     if quantization == "fp8_block":
         kept = quantize_linears(model, state, tuple(ignore))
-        hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(FP8_BLOCK), "modules_to_not_convert": kept}
+        hf["quantization_config"] = {**FP8_BLOCK_CONFIG, "modules_to_not_convert": kept}
     _atomic_write(path / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path)

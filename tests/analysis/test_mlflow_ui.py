@@ -4,7 +4,6 @@ with its child runs, and renders the report's figures. Screenshots land in the t
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -25,9 +24,8 @@ def _script():
 def test_parent_run_children_and_figures_in_the_ui(tmp_path):
     shots = _script()
     if shots.find_chromium() is None:
-        if os.environ.get("FP8RL_REQUIRE_BROWSER") == "1":
-            pytest.fail("FP8RL_REQUIRE_BROWSER=1 but no Chromium (apt-get install -y --no-install-recommends chromium)")
-        pytest.skip("no Chromium (apt-get install -y --no-install-recommends chromium)")
+        pytest.fail("no Chromium: apt-get install -y --no-install-recommends chromium (scripts/test.sh does), "
+                    "or deselect with -m 'not browser'")
     paths = shots.take_screenshots(tmp_path / "screenshots", tmp_path / "store")
     print(f"\nscreenshots: {tmp_path / 'screenshots'}")
     for png in paths.values():

@@ -59,6 +59,16 @@ def mlflow_db(dst: Path) -> Path:
     return dst
 
 
+def tiny_core_base(steps: int, val_every: int = 1, cache_dir: str | None = None) -> str:
+    """A sweep's `base:` section that runs the real core in seconds (tiny preset, 5 warm-start steps,
+    2 prompts x 2 samples, a checkpoint every step); YAML text ending in a newline."""
+    cache = f", cache_dir: {cache_dir}" if cache_dir else ""
+    return ("base:\n  model: {preset: tiny}\n  threads: 1\n  task: {val_size: 8}\n"
+            f"  warmstart: {{steps: 5, batch_size: 8{cache}}}\n"
+            "  rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 6}\n"
+            f"  train: {{steps: {steps}, val_every: {val_every}, checkpoint_every: 1}}\n")
+
+
 def write_sweep(folder: Path, body: str, name: str = "sweep.yaml") -> Path:
     """A sweep file with tiny, warm-start-free defaults under `folder`; `body` adds sections."""
     path = folder / name

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _sweep_fakes import FakeScheduler, fake_run, write_sweep
+from _sweep_fakes import FakeScheduler, fake_run, tiny_core_base, write_sweep
 from mlflow import MlflowClient
 
 from launchers import survey
@@ -271,14 +271,7 @@ def test_progress_lines_name_counts_and_eta(cwd):
 
 TINY = """\
 experiment: {name}
-base:
-  model: {{preset: tiny}}
-  threads: 1
-  task: {{val_size: 8}}
-  warmstart: {{steps: 5, batch_size: 8}}
-  rollout: {{prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 6}}
-  train: {{steps: {steps}, val_every: 1, checkpoint_every: 1}}
-grid:
+{base}grid:
   recipe: [bf16, fp8_e2e]
 launcher: {{kind: local, max_parallel: 2, retries: 0}}
 tracking: {{uri: "sqlite:///mlflow.db"}}
@@ -290,7 +283,7 @@ def test_local_end_to_end_with_the_real_core_and_the_report(cwd, capsys):
     """smoke.yaml in miniature: warm start, 2 local processes at once, MLflow, report on the parent run."""
     from launchers.cli import main
 
-    path = write_sweep(cwd, TINY.format(name="tiny", steps=2))
+    path = write_sweep(cwd, TINY.format(name="tiny", base=tiny_core_base(steps=2)))
     assert main(["run", str(path)]) == 0
     out = capsys.readouterr().out
     assert "warm start: done" in out and "2/2 cells finished" in out

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _sweep_fakes import FakeScheduler, fake_run, mlflow_db, write_sweep
+from _sweep_fakes import FakeScheduler, fake_run, mlflow_db, tiny_core_base, write_sweep
 from mlflow import MlflowClient
 
 import launchers.cancel as cancel_mod
@@ -185,15 +185,7 @@ def test_driver_lock_is_exclusive_and_visible(tmp_path):
         assert time.time() - t0 < 1
 
 
-TINY_LONG = """\
-experiment: bg
-base:
-  model: {preset: tiny}
-  threads: 1
-  task: {val_size: 8}
-  warmstart: {steps: 5, batch_size: 8}
-  rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 6}
-  train: {steps: 500, val_every: 100, checkpoint_every: 1}
+TINY_LONG = "experiment: bg\n" + tiny_core_base(steps=500, val_every=100) + """\
 grid:
   seed: [0, 1]
 launcher: {kind: local, max_parallel: 2, retries: 0}

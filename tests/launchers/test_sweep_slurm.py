@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _sweep_fakes import mlflow_db
+from _sweep_fakes import mlflow_db, tiny_core_base
 from mlflow import MlflowClient
 
 from launchers.cli import main as sweep_main
@@ -31,14 +31,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 BASE = """\
 experiment: {name}
-base:
-  model: {{preset: tiny}}
-  threads: 1
-  task: {{val_size: 8}}
-  warmstart: {{steps: 5, batch_size: 8, cache_dir: {root}/ws}}
-  rollout: {{prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 6}}
-  train: {{steps: {steps}, val_every: {val_every}, checkpoint_every: 1}}
-grid:
+{base}grid:
 {grid}
 {extra}
 launcher:
@@ -58,7 +51,8 @@ BAD_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
 
 def make_sweep(root: Path, name: str, grid: str, steps: int = 2, val_every: int = 1, extra: str = ""):
     path = root / f"{name}.yaml"
-    path.write_text(BASE.format(name=name, root=root, grid=grid, steps=steps, val_every=val_every, extra=extra))
+    path.write_text(BASE.format(name=name, root=root, grid=grid, extra=extra,
+                                base=tiny_core_base(steps, val_every, cache_dir=f"{root}/ws")))
     return load_sweep(path, cwd=root)
 
 

@@ -94,7 +94,6 @@ def test_fp8_e2e_maps_to_te_blockwise_with_fp32_scales():
 
 
 def test_real_transformer_config_accepts_the_kwargs():
-    pytest.importorskip("megatron.core")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.transformer.transformer_config import TransformerConfig

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.model.config import ModelConfig
 
-transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)

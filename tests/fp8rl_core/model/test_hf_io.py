@@ -8,13 +8,13 @@ import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from fp8rl_core.fp8 import dequantize_blockwise, quantize_blockwise
 from fp8rl_core.model import ModelConfig, build_model, load_pretrained, save_pretrained
 from fp8rl_core.model.hf_io import INDEX
 
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
 TINY = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -139,7 +139,7 @@ def test_fp8_block_round_trip_is_bit_exact(tmp_path):
 
 def test_fp8_block_checkpoint_loads_in_transformers(tmp_path):
     """transformers 5 on a CPU dequantizes block-FP8 checkpoints (FineGrainedFP8Config(dequantize=True))."""
-    pytest.importorskip("accelerate", reason="transformers' FP8 quantizer requires accelerate (pip install accelerate)")
+    import accelerate  # noqa: F401  (transformers' FP8 quantizer needs it; a dev dependency)
     torch.manual_seed(0)
     # All dims multiples of 128: transformers derives the block from weight/scale shapes (no partial blocks).
     cfg = ModelConfig(**TINY, model_type="llama")
