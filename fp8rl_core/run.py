@@ -22,6 +22,7 @@ from fp8rl_core.checkpoint import latest_checkpoint, load_checkpoint, save_check
 from fp8rl_core.config import RunConfig, run_config_hash
 from fp8rl_core.evaluate import validation_metrics
 from fp8rl_core.grpo_step import RunContext, grpo_step, sampling_params
+from fp8rl_core.hold import hold_after
 from fp8rl_core.schema import flatten, to_dict
 from fp8rl_core.tracking.sink import make_run_sink
 
@@ -105,6 +106,7 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
                             val=f"{last.get('val_accuracy', float('nan')):.2f}", refresh=False)
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 _checkpoint(ctx, ckpt_dir, step)
+            hold_after(step)  # test hook (FP8RL_HOLD_AFTER_STEP): a run held mid-flight on any machine
             if stop_after is not None and step >= stop_after:
                 if step % cfg.train.checkpoint_every:
                     _checkpoint(ctx, ckpt_dir, step)

@@ -51,14 +51,20 @@ class StepCounter(submitit.helpers.Checkpointable):
     """Counts to `n_steps`, appending one line `step restart_count` per step to `progress`.
 
     It resumes from the file (as a run resumes from its own checkpoint), so a requeued job continues
-    where it stopped; the default checkpoint() resubmits the same callable and arguments.
+    where it stopped; the default checkpoint() resubmits the same callable and arguments. The first
+    attempt waits after `hold_at` lines until the file `release` exists, so the test preempts it
+    mid-run on any machine.
     """
 
-    def __call__(self, progress: str, n_steps: int, step_s: float) -> list[int]:
+    def __call__(self, progress: str, n_steps: int, step_s: float, hold_at: int = -1,
+                 release: str = "") -> list[int]:
         path = Path(progress)
         done = path.read_text().split("\n")[:-1] if path.exists() else []
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         for step in range(len(done), n_steps):
+            if step == hold_at and restart == "0":
+                while not Path(release).exists():
+                    time.sleep(0.1)
             time.sleep(step_s)
             with path.open("a") as f:
                 f.write(f"{step} {restart} {time.time():.3f}\n")
@@ -193,13 +199,16 @@ def test_memory_limit_is_enforced_without_cgroups(slurm_cluster, tmp_path: Path)
 def test_preempted_checkpointable_job_requeues_and_resumes(slurm_cluster, tmp_path: Path, cleanup) -> None:
     progress = tmp_path / "progress.txt"
     n_steps = 30
-    job = make_executor(tmp_path, slurm_cluster.partition).submit(StepCounter(), str(progress), n_steps, 0.25)
+    release = tmp_path / "release"  # never written: the first attempt waits after 3 steps until preempted
+    job = make_executor(tmp_path, slurm_cluster.partition).submit(StepCounter(), str(progress), n_steps, 0.25,
+                                                                  3, str(release))
     cleanup.append(job)
 
     def lines() -> list[list[str]]:
         return [line.split() for line in progress.read_text().splitlines()] if progress.exists() else []
 
     wait_for(lambda: len(lines()) >= 3, 60, "the first steps")
+    assert len(lines()) == 3
     job._interrupt()  # what SLURM does on preemption: SIGTERM, then USR2 -> checkpoint + requeue
     wait_done(job, 120)
     assert job.result() == list(range(n_steps))  # every step once: none lost, none repeated

@@ -194,11 +194,13 @@ tracking: {uri: "sqlite:///mlflow.db"}
 
 
 @pytest.mark.slow
-def test_local_detach_then_cancel_stops_the_driver_and_its_processes(cwd, capsys):
+def test_local_detach_then_cancel_stops_the_driver_and_its_processes(cwd, capsys, monkeypatch):
     """`sweep run --detach` (a background driver, real core) -> `sweep status` -> `sweep cancel`."""
+    from fp8rl_core.hold import ENV_VAR
     from launchers.cli import main
     from launchers.executors.local import controller_alive
 
+    monkeypatch.setenv(ENV_VAR, f"1:{cwd / 'never-released'}")  # both cells stay running after step 1
     mlflow_db(cwd / "mlflow.db")
     path = write_sweep(cwd, TINY_LONG)
     assert main(["run", str(path), "--detach"]) == 0

@@ -17,6 +17,7 @@ import pytest
 from _sweep_fakes import mlflow_db, tiny_core_base
 from mlflow import MlflowClient
 
+from fp8rl_core.hold import ENV_VAR as HOLD_VAR
 from launchers.cli import main as sweep_main
 from launchers.driver import run_sweep
 from launchers.executors.slurm import SlurmExecutor
@@ -157,22 +158,33 @@ def test_a_deleted_run_reruns_only_its_cell(base):
     assert [len(state.cells[c.id].attempts) for c in expand(sweep)].count(2) == 1
 
 
-def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling_steps(root, slurm_cluster):
+def hold_cells_after(monkeypatch, root: Path, step: int) -> Path:
+    """Every run started from here on stops after `step` (logged and checkpointed) until the returned
+    file exists (fp8rl_core/hold.py): the test acts on cells in flight however fast the machine is."""
+    release = root / f"release-{time.monotonic_ns()}"
+    monkeypatch.setenv(HOLD_VAR, f"{step}:{release}")  # sbatch exports it to the jobs
+    return release
+
+
+def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling_steps(root, slurm_cluster,
+                                                                                      monkeypatch):
     import submitit
 
-    steps = 40  # long enough (~0.3-0.6 s a step) to be mid-run when SLURM kills it (KillWait 5 s)
+    steps, held = 40, 2  # each cell is held after step 2 until the requeue has reached it
     sweep = make_sweep(root, "requeue", "  seed: [0, 1]", steps=steps, val_every=10)
+    release = hold_cells_after(monkeypatch, root, held)
     rc, _ = go(sweep, detach=True)
     assert rc == 0
     cells = expand(sweep)
     state = load_state(sweep.folder)
     jobs = {c.id: state.cells[c.id].last().job_id for c in cells}
     dirs = {c.id: sweep.folder / "cells" / c.id for c in cells}
-    wait_for(lambda: all(cell_step(d).step >= 2 for d in dirs.values()), 240, "both cells to log step 2")
+    wait_for(lambda: all(cell_step(d).step >= held for d in dirs.values()), 240, "both cells to log step 2")
     a, b = cells
-    assert all(cell_step(d).step < steps for d in dirs.values()), "the cells finished before the requeue"
+    assert [cell_step(d).step for d in dirs.values()] == [held, held], "a held cell went on"
     subprocess.run(["scontrol", "requeue", jobs[a.id]], check=True, timeout=30)  # SIGTERM, then a restart
     submitit.SlurmJob(sweep.folder / "jobs" / "%j", jobs[b.id])._interrupt()  # preemption: USR2 -> checkpoint()
+    release.touch()  # the restarted jobs resume after step 2 and never reach the hold again
     rc, text = go(sweep)  # a driver that waits for the requeued jobs
     assert rc == 0, text
     client = MlflowClient(sweep.tracking_uri())
@@ -184,14 +196,15 @@ def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling
             assert sorted(logged) == expected, f"{cell.id} {key}: steps {sorted(logged)}"
         log = Path(state.cells[cell.id].last().stderr).with_suffix(".out").read_text()
         resumed = re.search(r"resuming from step_(\d+) \(SLURM_RESTART_COUNT=1\)", log)
-        assert resumed and 0 < int(resumed.group(1)) < steps, log[-2000:]  # resumed mid-run, not from zero
+        assert resumed and int(resumed.group(1)) == held, log[-2000:]  # resumed mid-run, not from zero
         opened = [r for r in map(json.loads, (dirs[cell.id] / "metrics.jsonl").read_text().splitlines())
                   if r.get("kind") == "status" and r["status"] == "RUNNING"]
         assert len(opened) == 2  # the same MLflow run, opened by both attempts
 
 
-def test_cancel_leaves_nothing_in_squeue(root, slurm_cluster, capsys):
+def test_cancel_leaves_nothing_in_squeue(root, slurm_cluster, capsys, monkeypatch):
     sweep = make_sweep(root, "cancel", "  seed: [0, 1, 2]", steps=200, val_every=100)
+    hold_cells_after(monkeypatch, root, 1)  # never released: the cells are cancelled while held
     assert go(sweep, detach=True)[0] == 0
     state = load_state(sweep.folder)
     ids = [rec.last().job_id for rec in state.cells.values()] + [s.job_id for s in state.stages]

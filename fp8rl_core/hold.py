@@ -1,0 +1,40 @@
+"""A test hook: hold a run after one step until a file appears, so that tests which act on a run in
+flight (requeue, preemption, cancel) find it there on any machine, however fast.
+
+    FP8RL_HOLD_AFTER_STEP="<step>:<release file>[:<max seconds>]"
+
+After step <step> is logged and checkpointed, the run waits until <release file> exists (at most
+<max seconds>, default 600, so a test that dies never leaves a job waiting forever). Signals still
+arrive while it waits (SIGINT, submitit's USR2), so a held run can be cancelled or preempted. Unset —
+the normal case — it costs one dictionary lookup per step.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+ENV_VAR = "FP8RL_HOLD_AFTER_STEP"
+
+
+def hold_spec(value: str) -> tuple[int, Path, float]:
+    """Parse the variable: (step, release file, max seconds)."""
+    parts = value.split(":")
+    if len(parts) not in (2, 3) or not parts[0].isdigit() or not parts[1]:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected '<step>:<release file>[:<max seconds>]'")
+    return int(parts[0]), Path(parts[1]), float(parts[2]) if len(parts) == 3 else 600.0
+
+
+def hold_after(step: int, env: Mapping[str, str] | None = None, poll_s: float = 0.1) -> bool:
+    """Wait here if the environment asks to hold after `step`; True when it held."""
+    value = (os.environ if env is None else env).get(ENV_VAR)
+    if not value:
+        return False
+    at, release, max_s = hold_spec(value)
+    if step != at:
+        return False
+    deadline = time.monotonic() + max_s
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(poll_s)
+    return True
