@@ -13,8 +13,8 @@ Groups are ordered bf16, fp8_gen, fp8_e2e (then others alphabetically) and none-
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from scipy import stats
@@ -109,7 +109,8 @@ def _rank(key: str, value: str) -> tuple:
     return (order.index(value), "") if value in order else (len(order), value)
 
 
-def group_runs(runs: Sequence[RunHistory], by: Sequence[str] = DEFAULT_GROUP_KEYS) -> dict[tuple[str, ...], list[RunHistory]]:
+def group_runs(runs: Sequence[RunHistory], by: Sequence[str] = DEFAULT_GROUP_KEYS
+               ) -> dict[tuple[str, ...], list[RunHistory]]:
     """Runs grouped by the values of `by` (a run lacking a key goes to value '?'), groups ordered."""
     groups: dict[tuple[str, ...], list[RunHistory]] = defaultdict(list)
     for run in runs:
@@ -155,7 +156,15 @@ def mean_value(run: RunHistory, key: str) -> float:
     return float(finite.mean()) if finite.size else float("nan")
 
 
+def median_value(run: RunHistory, key: str) -> float:
+    """The median over the run's logged steps of `key` (NaN if never logged): robust to spikes."""
+    _, values = run.series(key)
+    finite = values[np.isfinite(values)]
+    return float(np.median(finite)) if finite.size else float("nan")
+
+
 def group_estimates(runs: Sequence[RunHistory], key: str, reduce: Callable[[RunHistory, str], float] = final_value,
-                    by: Sequence[str] = DEFAULT_GROUP_KEYS, confidence: float = 0.95) -> dict[tuple[str, ...], Estimate]:
+                    by: Sequence[str] = DEFAULT_GROUP_KEYS, confidence: float = 0.95
+                    ) -> dict[tuple[str, ...], Estimate]:
     """Per group: one number per run (`reduce`, e.g. `final_value` or `mean_value`), then mean ± CI."""
     return {g: estimate((reduce(r, key) for r in members), confidence) for g, members in group_runs(runs, by).items()}

@@ -16,8 +16,8 @@ logged wins, as in `fp8rl_core.tracking.sink`.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 from mlflow import MlflowClient

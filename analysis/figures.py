@@ -12,8 +12,8 @@ what the band is ("mean ± 95% CI (Student t over N seeds)"); steps with one see
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 

@@ -1,7 +1,7 @@
 """Generation throughput: the native engine vs `transformers` `generate`, same tiny model, batch and lengths.
 
 Usage: PYTHONPATH=. python benchmarks/generation.py [--batch 128] [--group 8] [--new-tokens 8 32]
-                                                    [--repeats 3] [--threads 0] [--clock wall|cpu]
+                                                    [--repeats 3] [--threads 0] [--clock wall|cpu] [--before]
 
 Random weights (the `tiny` preset: 4 layers, hidden 256, vocab 32); prompts of 10-14 tokens, left-padded
 for transformers; sampling at T=1, no top-k/top-p; EOS disabled (eos_token_id=None on both sides) so that
@@ -10,11 +10,15 @@ every row produces exactly max_new_tokens tokens. Two batch shapes of `--batch` 
 - grpo:     batch / group prompts x `--group` samples each (GRPO's rollout shape; transformers gets the
             expanded batch, as `num_return_sequences` does; our engine prefills each prompt once).
 Tokens/s = rows * new_tokens / time of one generate call (prefill included), best of --repeats after
-a warm-up; `--clock cpu` measures the process's CPU time instead of wall time (with --threads 1 it is
-the compute time even when other jobs share the cores). `floor` is the time of the model's GEMM FLOPs
-(2 * params * tokens, with the engine's prefill tokens) at the BF16 GEMM rate measured in this run on
-the largest decode GEMM: an engine whose GEMMs run at that rate cannot beat it, so `transformers
-time / floor` bounds the ratio.
+a warm-up (our engines take turns, one call each per round); `--clock cpu` measures the process's CPU
+time instead of wall time (with --threads 1 it is the compute time even when other jobs share the
+cores). `floor` is the time of the model's GEMM FLOPs (2 * params * tokens, with the engine's prefill
+tokens) at the BF16 GEMM rate measured in this run on the largest decode GEMM: an engine whose GEMMs
+run at that rate cannot beat it, so `transformers time / floor` bounds the ratio.
+`fp32` is our engine with FP32 weights and activations (no quantization): the floor of the FP8 rows,
+whose CPU emulation runs FP32 GEMMs; `fp8/fp32` = FP8 time / FP32 time (issue 16's goal: <= 1.25).
+`fp8-before` (with --before) is the FP8 engine with the pure-torch quantizer (FP8RL_FUSED=0), the
+code path before issue 16, timed in the same run.
 The FP8 rows run our blockwise-FP8 linears (CPU emulation, FP32 GEMMs); their baseline is the same
 BF16 transformers run (transformers has no blockwise-FP8 CPU kernel: its FineGrainedFP8 CPU path
 dequantizes to BF16 at load).
@@ -22,7 +26,10 @@ dequantizes to BF16 at load).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +71,31 @@ def best_time(fn, repeats: int) -> float:
     return min(times)
 
 
+def best_times_in_turns(calls: dict, repeats: int) -> dict[str, float]:
+    """best_time of each call, the calls taking turns (one of each per round) so that a change of
+    the machine's load reaches all of them alike."""
+    for fn in calls.values():
+        fn()
+    best = {name: float("inf") for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            t0 = CLOCK()
+            fn()
+            best[name] = min(best[name], CLOCK() - t0)
+    return best
+
+
+def generate_call(engine: NativeGenerationEngine, prompts: list[list[int]], n: int, before: bool):
+    """engine.generate of n tokens; `before`: with the pure-torch quantizer (FP8RL_FUSED=0)."""
+    sampling = SamplingParams(max_new_tokens=n)
+
+    def call() -> None:
+        with environment({"FP8RL_FUSED": "0"} if before else {}):
+            engine.generate(prompts, sampling)
+
+    return call
+
+
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int, pad: int) -> None:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -99,6 +131,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--before", action="store_true", help="add FP8 rows with the pure-torch quantizer")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
@@ -106,26 +139,46 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cfg = preset("tiny", eos_token_id=None)
     model = hf_model(cfg, torch.bfloat16)
-    engines = {"bf16": NativeGenerationEngine(cfg), "fp8": NativeGenerationEngine(cfg, fp8=True, fp8_spec=Fp8Spec())}
+    engines = {"bf16": NativeGenerationEngine(cfg), "fp8": NativeGenerationEngine(cfg, fp8=True, fp8_spec=Fp8Spec()),
+               "fp32": NativeGenerationEngine(cfg, dtype=torch.float32)}
+    if args.before:
+        engines["fp8-before"] = engines["fp8"]  # same weights; timed with the reference quantizer
     for engine in engines.values():
         engine.refit(model.state_dict())
+    load0 = os.getloadavg()
     rate = gemm_rate(args.repeats)
     print(f"rows {args.batch}, prompts 10-14 tokens, torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"{args.clock} clock, "
           f"BF16 GEMM rate {rate / 1e9:.0f} GFLOP/s")
-    print(f"{'shape':<9} {'mode':<5} {'new':>4} {'transformers tok/s':>19} {'native tok/s':>13} {'ratio':>6} "
-          f"{'floor-bound ratio':>18}")
+    print(f"{'shape':<9} {'mode':<10} {'new':>4} {'transformers tok/s':>19} {'native tok/s':>13} {'ratio':>6} "
+          f"{'floor-bound ratio':>18} {'fp8/fp32':>9}")
     for shape, group in (("distinct", 1), ("grpo", args.group)):
         prompts = make_prompts(args.batch, group, cfg.vocab_size)
         for n in args.new_tokens:
-            t_hf = best_time(lambda: hf_generate(model, prompts, n, cfg.pad_token_id), args.repeats)
+            t_hf = best_time(lambda prompts=prompts, n=n: hf_generate(model, prompts, n, cfg.pad_token_id),
+                             args.repeats)
             bound = t_hf / floor_seconds(cfg, prompts, n, rate)
-            for mode, engine in engines.items():
-                sampling = SamplingParams(max_new_tokens=n)
-                t_ours = best_time(lambda: engine.generate(prompts, sampling), args.repeats)
+            calls = {mode: generate_call(engine, prompts, n, mode.endswith("before"))
+                     for mode, engine in engines.items()}
+            times = best_times_in_turns(calls, args.repeats)
+            for mode, t_ours in times.items():
                 tok = len(prompts) * n
-                print(f"{shape:<9} {mode:<5} {n:>4} {tok / t_hf:>19.0f} {tok / t_ours:>13.0f} "
-                      f"{t_hf / t_ours:>5.1f}x {bound:>17.1f}x")
+                vs32 = f"{t_ours / times['fp32']:>8.2f}x" if mode.startswith("fp8") else f"{'':>9}"
+                print(f"{shape:<9} {mode:<10} {n:>4} {tok / t_hf:>19.0f} {tok / t_ours:>13.0f} "
+                      f"{t_hf / t_ours:>5.1f}x {bound:>17.1f}x {vs32}")
+    print(f"load average (1, 5, 15 min): before {tuple(round(v, 2) for v in load0)}, "
+          f"after {tuple(round(v, 2) for v in os.getloadavg())} on {os.cpu_count()} CPUs")
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 if __name__ == "__main__":

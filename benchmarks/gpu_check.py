@@ -35,17 +35,17 @@ import tempfile
 import time
 import traceback
 from argparse import Namespace
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 import engine_step  # noqa: E402  (benchmarks/engine_step.py: the GRPO-step worker)
+import torch  # noqa: E402
 from fp8_numerics import timeit  # noqa: E402  (best-of-N wall time, CUDA-synchronised)
+from torch import nn  # noqa: E402
 
 COLUMNS = ("section", "case", "status", "time_ms", "ratio", "tflops", "max_rel_diff", "tmpe", "note")
 
@@ -166,7 +166,7 @@ def warm_start(ns: Namespace) -> list[dict]:
 def section_b(args: Namespace, ns: Namespace) -> tuple[list[dict], float | None]:
     rows, base = [], None
     for recipe in args.recipes:
-        def one(recipe: str = recipe) -> list[dict]:
+        def one(recipe: str = recipe, base: float | None = base) -> list[dict]:
             r = engine_step.worker(ns, recipe)
             return [step_row("b", f"GRPO step tiny [{recipe}] native engines", r, base)]
         got = guarded("b", f"GRPO step tiny [{recipe}] native engines", one)

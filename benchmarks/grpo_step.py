@@ -1,8 +1,9 @@
 """One GRPO step (generation + training): our core's `grpo_step` vs TRL's `GRPOTrainer`, in one run.
 
 Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--prompts 16] [--group 8] [--max-new-tokens 8]
-           [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e] [--trl-bf16 | --no-trl-bf16]
-           [--warmstart-steps N] [--cache-dir .fp8rl/warmstart]
+           [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e fp32] [--before]
+           [--trl-bf16 | --no-trl-bf16] [--no-trl] [--clock wall|cpu] [--warmstart-steps N]
+           [--cache-dir .fp8rl/warmstart]
 Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`)
 
 Same on both sides, so that only the implementation differs:
@@ -11,19 +12,27 @@ Same on both sides, so that only the implementation differs:
 - tokenizer: our character tokenizer saved as an HF tokenizer, with a BOS post-processor so that TRL's
   prompt ids equal ours token for token;
 - data: the same arithmetic prompts in the same order (drawn from a copy of our run's data RNG; TRL's
-  dataset is not shuffled), P prompts x G samples per step, at most `--max-new-tokens` new tokens, the run config's rollout temperature (2.0 by default);
+  dataset is not shuffled), P prompts x G samples per step, at most `--max-new-tokens` new tokens, the run config's
+  rollout temperature (2.0 by default);
 - reward: the task's exact match; one optimizer step per rollout batch (TRL: num_iterations=1,
   steps_per_generation=1), no KL (beta=0), ratio clip 0.2, AdamW at our lr, grad clip 1.0;
 - threads: torch.set_num_threads(--threads) for both, in this one process.
 TRL runs on the CPU without vLLM, gradient checkpointing off (TRL's default is on; off only drops the
 recomputation) and BF16 autocast in generation and training, as our bf16 recipe (`--no-trl-bf16`: FP32).
-Columns: s/step = median seconds of a steady-state step (the first `--warmup` steps of each side skipped);
+Columns: s/step = median seconds of a steady-state step (the first `--warmup` steps of each side skipped;
+our variants take their steps in turns, one step each per round);
 TRL is timed from `on_step_begin` to `on_step_end` (generation, reward, log-probs, backward, optimizer
 step), ours around `grpo_step(ctx)` (the same work plus the training engine's old-log-prob pass and the
 refit of the generation engine); gen s = the generation call (TRL's `_generate_single_turn`, ours
-`generate`); rest s = s/step - gen s; tokens = response tokens per step (up to and including EOS);
+`generate`, both timed by this script); rest s = s/step - gen s; tokens = response tokens per step (up to and including
+EOS);
 tokens/s = their sum / the sum of step times; reward = mean exact-match reward (a check that both sides
 solve the same task with the same model); TRL/ours = TRL s/step / ours.
+Rows of ours: one per `--recipes` entry; `fp32` is the bf16 recipe with both engines in plain FP32
+(model.dtype=fp32: no autocast, no quantization), the floor of the CPU's exact FP8 emulation (its GEMMs
+are FP32). `--before` adds `fp8_gen` / `fp8_e2e` rows with the pure-torch quantizer and no weight cache
+(FP8RL_FUSED=0 FP8RL_WEIGHT_CACHE=0: the code paths before issue 16), measured in the same run.
+The goals of issue 16 are printed under the table, each with its floor and ratio.
 The machine's 2 cores are shared with other jobs: the load average is printed before and after. Under
 such load, 2 OpenMP threads per process can run several times slower than 1 (threads spin at barriers
 while the other core is taken): compare `--threads 1` when the numbers look odd.
@@ -31,12 +40,14 @@ while the other core is taken): compare `--threads 1` when the numbers look odd.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +58,15 @@ from fp8rl_core.config import RunConfig, load_run_config
 from fp8rl_core.grpo_step import grpo_step
 from fp8rl_core.tasks import Example, make_task
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (the compute time with --threads 1)
+BEFORE_ENV = {"FP8RL_FUSED": "0", "FP8RL_WEIGHT_CACHE": "0"}  # the quantization code paths before issue 16
+
 
 def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
-    overrides = [f"recipe={recipe}", f"threads={args.threads}", "device=cpu",
+    """`fp32`: the bf16 recipe with model.dtype=fp32 (both engines FP32); `<recipe> before`: the recipe."""
+    recipe = recipe.removesuffix(" before")
+    dtype = ["recipe=bf16", "model.dtype=fp32"] if recipe == "fp32" else [f"recipe={recipe}"]
+    overrides = [*dtype, f"threads={args.threads}", "device=cpu",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
                  f"rollout.max_new_tokens={args.max_new_tokens}", f"warmstart.cache_dir={args.cache_dir}"]
     if args.warmstart_steps is not None:
@@ -57,24 +74,60 @@ def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
     return load_run_config(None, overrides)
 
 
-def time_ours(cfg: RunConfig, warmup: int, steps: int) -> dict[str, Any]:
-    """Seconds and response tokens of `steps` grpo_step calls after `warmup` unmeasured ones; also a copy
-    of the run's data RNG as it was before the first step (so that TRL can see the same prompts)."""
-    ctx = build_context(cfg, progress=False)
-    rng = random.Random()
-    rng.setstate(ctx.data_rng.getstate())
-    for _ in range(warmup):
-        grpo_step(ctx)
-    times, tokens, gen, reward = [], [], [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        m = grpo_step(ctx)
-        times.append(time.perf_counter() - t0)
-        n = m["response_length_mean"] * cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
-        tokens.append(n)
-        gen.append(n / m["generation_tokens_per_s"])
-        reward.append(m["reward_mean"])
-    return {"times": times, "tokens": tokens, "gen": gen, "reward": reward, "rng": rng}
+@contextlib.contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def time_ours(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per variant: seconds, response tokens, generation seconds and reward of `args.steps` grpo_step
+    calls after `args.warmup` unmeasured ones, and a copy of the run's data RNG as it was before the
+    first step (so that TRL can see the same prompts). The variants take their steps in turns (one step
+    of each per round), so that a change of the machine's load reaches all of them alike."""
+    ctxs, out = {}, {}
+    for name in names:
+        with environment(BEFORE_ENV if name.endswith(" before") else {}):
+            ctxs[name] = build_context(run_config(args, name), progress=False)
+        rng = random.Random()
+        rng.setstate(ctxs[name].data_rng.getstate())
+        out[name] = {"times": [], "tokens": [], "gen": [], "reward": [], "rng": rng}
+    gen_seconds = {name: timed_generate(ctx) for name, ctx in ctxs.items()}
+    for step in range(args.warmup + args.steps):
+        for name, ctx in ctxs.items():
+            gen_seconds[name].clear()
+            with environment(BEFORE_ENV if name.endswith(" before") else {}):
+                t0 = CLOCK()
+                m = grpo_step(ctx)
+                seconds = CLOCK() - t0
+            if step < args.warmup:
+                continue
+            r, n = out[name], m["response_length_mean"] * args.prompts * args.group
+            r["times"].append(seconds)
+            r["tokens"].append(n)
+            r["gen"].append(sum(gen_seconds[name]))
+            r["reward"].append(m["reward_mean"])
+    return out
+
+
+def timed_generate(ctx: Any) -> list[float]:
+    """Wrap ctx.gen.generate so that each call appends its CLOCK seconds to the returned list."""
+    seconds: list[float] = []
+    generate = ctx.gen.generate
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t0 = CLOCK()
+        result = generate(*a, **kw)
+        seconds.append(CLOCK() - t0)
+        return result
+
+    ctx.gen.generate = timed
+    return seconds
 
 
 def save_hf_tokenizer(folder: Path) -> Any:
@@ -100,10 +153,10 @@ class _StepTimer:
 
         class Callback(TrainerCallback):
             def on_step_begin(self, args, state, control, **kw):
-                timer.t0 = time.perf_counter()
+                timer.t0 = CLOCK()
 
             def on_step_end(self, args, state, control, **kw):
-                timer.times.append(time.perf_counter() - timer.t0)
+                timer.times.append(CLOCK() - timer.t0)
 
         self.times: list[float] = []
         self.tokens: list[int] = []  # response tokens per step, counted by the reward function
@@ -150,9 +203,9 @@ def trl_trainer(cfg: RunConfig, ckpt: Path, prompts: list[Example], args: argpar
     generate = trainer._generate_single_turn  # private, wrapped for a generation/training split only
 
     def timed_generate(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         result = generate(*a, **kw)
-        timer.gen.append(time.perf_counter() - t0)
+        timer.gen.append(CLOCK() - t0)
         return result
 
     trainer._generate_single_turn = timed_generate
@@ -180,9 +233,28 @@ def row(name: str, r: dict[str, Any], baseline: float | None) -> str:
     tokens = statistics.mean(r["tokens"])
     gen = statistics.median(r["gen"])
     rest = statistics.median([t - g for t, g in zip(r["times"], r["gen"])])
-    ratio = f"{baseline / s:>7.2f}x" if baseline else f"{'1.00x':>8}"
+    ratio = f"{baseline / s:>7.2f}x" if baseline else f"{'-':>8}"
     reward = statistics.mean(r["reward"])
-    return f"{name:<16} {s:>9.3f} {gen:>8.3f} {rest:>9.3f} {tokens:>7.0f} {tok_s:>9.0f} {reward:>7.3f} {ratio}"
+    return f"{name:<20} {s:>9.3f} {gen:>8.3f} {rest:>9.3f} {tokens:>7.0f} {tok_s:>9.0f} {reward:>7.3f} {ratio}"
+
+
+def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None) -> None:
+    """Issue 16's step goals: ratio, goal, and the floor each ratio is taken against."""
+    step = {k: statistics.median(r["times"]) for k, r in ours.items()}
+    gen = {k: statistics.median(r["gen"]) for k, r in ours.items()}
+    lines = []
+    if "bf16" in step and trl_r:
+        trl = statistics.median(trl_r["times"])
+        lines.append(f"TRL / ours bf16 step          {trl / step['bf16']:6.2f}x   goal >= 2    (floor: ours bf16)")
+    for k in (k for k in step if k.startswith("fp8")):
+        if "fp32" in step:
+            lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   goal <= 1.25 (floor: fp32)")
+            lines.append(f"{k + ' / ours fp32 gen':<30}{gen[k] / gen['fp32']:6.2f}x   goal <= 1.25 (floor: fp32 gen)")
+        if "bf16" in step:
+            lines.append(f"{k + ' / ours bf16 step':<30}{step[k] / step['bf16']:6.2f}x   (reported)")
+    if "fp32" in step and "bf16" in step:
+        lines.append(f"{'fp32 / ours bf16 step':<30}{step['fp32'] / step['bf16']:6.2f}x   (the FP32 floor vs BF16)")
+    print("\n".join(["goals (issue 16):", *lines]))
 
 
 def main() -> None:
@@ -193,12 +265,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="measured steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first, per side")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
-    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e"])
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e", "fp32"],
+                    help="recipes, and fp32 (both engines FP32, no quantization)")
+    ap.add_argument("--before", action="store_true", help="add fp8 rows without issue 16's changes")
+    ap.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="run TRL (default)")
     ap.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=True,
                     help="TRL with BF16 autocast (default) or FP32")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: process CPU time (with --threads 1: compute time on a shared machine)")
     ap.add_argument("--warmstart-steps", type=int, default=None, help="default: the run config's (>= 1)")
     ap.add_argument("--cache-dir", default=".fp8rl/warmstart", help="warm-start cache (shared with fp8rl-train)")
     args = ap.parse_args()
+    global CLOCK
+    CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 deprecations inside TRL
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()
@@ -210,14 +289,17 @@ def main() -> None:
     print(f"P x G = {args.prompts} x {args.group}, max new tokens {args.max_new_tokens}, {args.steps} measured steps "
           f"after {args.warmup} warm-up, torch {torch.__version__} threads {torch.get_num_threads()}, "
           f"trl {trl.__version__}, transformers {transformers.__version__}, model {ckpt}")
-    ours = {r: time_ours(run_config(args, r), args.warmup, args.steps) for r in args.recipes}
-    trl_r = time_trl(cfg, ckpt, ours[args.recipes[0]]["rng"], args)
-    base = statistics.median(trl_r["times"])
-    print(f"{'implementation':<16} {'s/step':>9} {'gen s':>8} {'rest s':>9} {'tokens':>7} {'tokens/s':>9} "
+    names = list(args.recipes) + [f"{r} before" for r in args.recipes if args.before and r.startswith("fp8")]
+    ours = time_ours(args, names)
+    trl_r = time_trl(cfg, ckpt, ours[args.recipes[0]]["rng"], args) if args.trl else None
+    base = statistics.median(trl_r["times"]) if trl_r else None
+    print(f"{'implementation':<20} {'s/step':>9} {'gen s':>8} {'rest s':>9} {'tokens':>7} {'tokens/s':>9} "
           f"{'reward':>7} {'TRL/ours':>8}")
-    print(row(f"TRL {'bf16' if args.trl_bf16 else 'fp32'}", trl_r, None))
+    if trl_r:
+        print(row(f"TRL {'bf16' if args.trl_bf16 else 'fp32'}", trl_r, base))
     for recipe, r in ours.items():
         print(row(f"ours {recipe}", r, base))
+    print_goals(ours, trl_r)
     print(f"load average (1, 5, 15 min): before {tuple(round(x, 2) for x in load0)}, "
           f"after {tuple(round(x, 2) for x in os.getloadavg())}")
 

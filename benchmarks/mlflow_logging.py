@@ -48,30 +48,31 @@ def time_single(uri: str, n: int) -> tuple[float, float]:
     return t_metric, time.perf_counter() - t0
 
 
-WORKER = r"""
+WORKER = rf"""
 import json, sys, time
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 mode, uri, run_id, buf, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-keys = %r
+keys = {KEYS!r}
 t0 = time.perf_counter(); lost = 0; failures = 0
 if mode == "raw":
     client = MlflowClient(uri)
     for s in range(steps):
         try:
-            client.log_batch(run_id, metrics=[Metric(k, s + i / 10, int(time.time() * 1000), s) for i, k in enumerate(keys)], synchronous=True)
+            client.log_batch(run_id, metrics=[Metric(k, s + i / 10, int(time.time() * 1000), s)
+                                              for i, k in enumerate(keys)], synchronous=True)
         except Exception as e:
             lost += 1
 else:
     from fp8rl_core.tracking.mlflow_sink import MlflowSink
     sink = MlflowSink(uri, run_id, buf, background=False, initial_backoff_s=0.05, max_backoff_s=2.0)
     for s in range(steps):
-        sink.log(s, {k: s + i / 10 for i, k in enumerate(keys)})
+        sink.log(s, {{k: s + i / 10 for i, k in enumerate(keys)}})
         sink.flush()
     ok = sink.close("FINISHED")
     failures = sink.failures; lost = 0 if ok else -1
-print(json.dumps({"wall_s": time.perf_counter() - t0, "lost_steps": lost, "retries": failures}))
-""" % (KEYS,)
+print(json.dumps({{"wall_s": time.perf_counter() - t0, "lost_steps": lost, "retries": failures}}))
+"""
 
 
 def concurrent(uri: str, procs: int, steps: int, mode: str, tmp: Path) -> dict:

@@ -19,9 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,7 +29,7 @@ import cloudpickle  # noqa: E402
 
 from launchers.executors import Task, is_alive  # noqa: E402
 from launchers.executors.slurm import SlurmExecutor  # noqa: E402
-from launchers.sbatch_preview import SlurmSubmission  # noqa: E402
+from launchers.executors.slurm.sbatch import SlurmSubmission  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 CALLS: dict[str, int] = {}
@@ -91,9 +91,9 @@ def ours(folder: Path, n: int, wait: bool) -> dict:
 def full_driver(folder: Path, n: int) -> dict:
     import io
 
-    from launchers.cancel import cancel_sweep
-    from launchers.driver import run_sweep
-    from launchers.sweep_file import load_sweep
+    from launchers.run.cancel import cancel_sweep
+    from launchers.run.driver import run_sweep
+    from launchers.spec.loading import load_sweep
 
     seeds = list(range(n))
     folder.mkdir(parents=True, exist_ok=True)

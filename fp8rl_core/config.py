@@ -79,7 +79,8 @@ class TaskSpec:
 @dataclass
 class WarmStartSpec:
     steps: int = 6000  # at most this many supervised steps before RL (cosine lr schedule over them)
-    target_accuracy: float | None = 0.9  # stop early once greedy accuracy on the dev prompts reaches it; null: all steps
+    # stop early once greedy accuracy on the dev prompts reaches it; null: all steps
+    target_accuracy: float | None = 0.9
     eval_every: int = 250  # steps between dev-accuracy checks (with target_accuracy)
     dev_size: int = 256  # dev prompts: training-distribution prompts, never validation ones
     batch_size: int = 64  # examples per supervised step
@@ -98,7 +99,8 @@ class RolloutSpec:
     prompts_per_step: int = 16  # P
     samples_per_prompt: int = 8  # G
     max_new_tokens: int = 8  # generation length limit per sample
-    temperature: float = 2.0  # sampling temperature, training log-probs too; 2.0: the tiny warm start is too peaked at 1.0 for RL
+    # sampling temperature, training log-probs too; 2.0: the tiny warm start is too peaked at 1.0 for RL
+    temperature: float = 2.0
     top_p: float = 1.0  # nucleus sampling (1.0: off)
     top_k: int = 0  # 0: off
 
@@ -143,12 +145,54 @@ class TrainSpec:
     val_every: int = 5  # validation every K steps, and at step 0 and the last step
     val_samples: int = 4  # val_accuracy = pass@1 over this many samples per held-out prompt (0: greedy)
     checkpoint_every: int = 10  # checkpoint every K steps and at the last step (resume point)
+    micro_batch_size: int = 0  # sequences per forward/backward; gradients accumulate to the step's batch (0: all)
+    logprob_batch_size: int = 0  # sequences per forward of the old- and reference-log-prob passes (0: all)
+    # micro_steps 1: the training forward's detached log-probs are the old log-probs (same weights), so
+    # the separate old-log-prob pass is skipped; false keeps it (the two-pass reference for tests)
+    reuse_old_logprobs: bool = True
+
+    def validate(self) -> None:
+        for key in ("micro_batch_size", "logprob_batch_size"):
+            if getattr(self, key) < 0:
+                fail(key, f"must be >= 0 (0: the whole batch at once), got {getattr(self, key)}")
 
 
 @dataclass
 class EngineSpec:
     generation: Literal["native", "vllm"] = "native"  # vllm needs CUDA and the vllm extra
     training: Literal["native", "megatron"] = "native"  # megatron: Megatron-Core + Transformer Engine (CUDA)
+
+
+@dataclass
+class ParallelSpec:
+    """How one cell spreads over ranks (torchrun / multi-task SLURM) and trades compute for memory.
+
+    The world size comes from the launcher's environment, not from here; world size 1 needs nothing."""
+
+    timeout_s: float = 1800.0  # collective timeout: a dead or stuck rank fails the job after this, never hangs it
+    cpu_offload: bool = False  # sharded parameters, gradients, AdamW state (and the reference) on the CPU between uses
+    activation_checkpointing: bool = False  # recompute each transformer block's activations in backward
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:
+            fail("timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+
+
+@dataclass
+class DiagnosticsSpec:
+    """Mismatch diagnostics of a run (fp8rl_core/diagnostics): worst-token tables, rollouts for `explain`."""
+
+    # every K steps, the largest-|train - gen| tokens go to diagnostics/worst_tokens.jsonl (0: never)
+    worst_tokens_every: int = 1
+    worst_tokens_k: int = 8  # tokens per table write (per step)
+    context_tokens: int = 12  # tokens of preceding context shown with each worst token
+    # keep the rollout batch generated from each checkpoint's weights (rollouts/), for `fp8rl-train explain`
+    save_rollouts: bool = True
+
+    def validate(self) -> None:
+        for key in ("worst_tokens_every", "worst_tokens_k", "context_tokens"):
+            if getattr(self, key) < 0:
+                fail(key, f"must be >= 0, got {getattr(self, key)}")
 
 
 @dataclass
@@ -176,6 +220,9 @@ class RunConfig:
     optim: OptimSpec = field(default_factory=OptimSpec)  # AdamW of the RL steps
     train: TrainSpec = field(default_factory=TrainSpec)  # RL steps, validation, checkpoints
     engines: EngineSpec = field(default_factory=EngineSpec)  # which engines generate and train
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)  # ranks: collective timeout, offload, checkpointing
+    # worst-token tables and saved rollouts (no effect on training)
+    diagnostics: DiagnosticsSpec = field(default_factory=DiagnosticsSpec)
     tracking: TrackingSpec = field(default_factory=TrackingSpec)  # where the run logs (MLflow, or JSONL only)
 
     def validate(self) -> None:
@@ -184,7 +231,7 @@ class RunConfig:
 
 
 # Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
-HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir")
+HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "parallel.timeout_s", "diagnostics")
 
 
 def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
@@ -204,24 +251,35 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], where: str = "co
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Load a YAML run config (or the defaults when path is None) and apply dotted overrides."""
-    data: dict[str, Any] = {}
+    """Load a YAML run config (or the defaults when path is None) and apply dotted overrides.
+
+    The file and the override values are read in fp8rl's one YAML dialect (fp8rl_core.yaml_io, as
+    sweep files are): a duplicate key is an error at its line, `4:00:00` stays a string."""
+    from fp8rl_core.yaml_io import load_mapping_file, load_value
+
     where = str(path) if path else "defaults"
-    if path:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ConfigError("", f"expected a mapping at the top level, got {type(data).__name__}", where=where)
-    data = apply_overrides(data, list(overrides))
+    data: dict[str, Any] = load_mapping_file(path) if path else {}
+    for text in overrides:
+        try:
+            key, _ = parse_override(text)  # checks key=value
+            raw = text.split("=", 1)[1].strip()
+            set_dotted(data, key, load_value(raw, key) if raw else "")
+        except ConfigError as e:
+            raise e.located("command line") from None
     return run_config_from_dict(data, where=where if not overrides else f"{where} + overrides")
 
 
-def run_config_hash(cfg: RunConfig, length: int = 12) -> str:
-    """Stable id of what a run computes (HASH_EXCLUDE removed)."""
+def hashed_dict(cfg: RunConfig) -> dict[str, Any]:
+    """What a cell's id hashes: the config as a plain dict minus the HASH_EXCLUDE fields."""
     data = to_dict(cfg)
     for key in HASH_EXCLUDE:
         parent, _, leaf = key.rpartition(".")
         node = get_dotted(data, parent) if parent else data
         if isinstance(node, dict):
             node.pop(leaf, None)
-    return stable_hash(data, length)
+    return data
+
+
+def run_config_hash(cfg: RunConfig, length: int = 12) -> str:
+    """Stable id of what a run computes (HASH_EXCLUDE removed)."""
+    return stable_hash(hashed_dict(cfg), length)

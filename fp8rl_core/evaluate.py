@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from fp8rl_core.engines.base import GenerationEngine, SamplingParams
+from fp8rl_core.tracking import M_VAL_ACC
 
 VAL_SEED = 20_240_917
 
@@ -45,7 +46,7 @@ def validation_metrics(gen: GenerationEngine, tokenizer: Any, task: Any, samplin
         out = {"val_accuracy_greedy": greedy_accuracy(gen, tokenizer, task, task.val_examples,
                                                       sampling.max_new_tokens, batch_size)}
         repeated = [ex for ex in task.val_examples for _ in range(samples)]
-        out["val_accuracy"] = (_mean_reward(gen, tokenizer, task, repeated, replace(sampling, seed=VAL_SEED),
+        out[M_VAL_ACC] = (_mean_reward(gen, tokenizer, task, repeated, replace(sampling, seed=VAL_SEED),
                                             batch_size) if samples > 0 else out["val_accuracy_greedy"])
         return out
     finally:

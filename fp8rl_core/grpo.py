@@ -16,6 +16,7 @@ from fp8rl_core.importance import (  # re-exported: fp8rl_core.grpo is the publi
     importance_weights_with_stats,
     register_is_variant,
 )
+from fp8rl_core.tracking import M_LOSS
 
 __all__ = ["ADV_EPS", "IS_VARIANTS", "ISWeights", "compute_importance", "group_advantages", "importance_stats",
            "importance_weights", "importance_weights_with_stats", "k3_kl", "masked_mean", "policy_loss",
@@ -135,7 +136,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     with torch.no_grad():
         active = m & (pg_clipped > pg_unclipped)  # the clipped branch is the max: zero gradient there
         metrics = {
-            "loss": float(loss),
+            M_LOSS: float(loss),
             "pg_loss": float(pg_loss),
             "kl": float(kl),
             "clip_fraction": float(active.sum()) / n_valid if n_valid else 0.0,

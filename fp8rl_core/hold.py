@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 ENV_VAR = "FP8RL_HOLD_AFTER_STEP"
 

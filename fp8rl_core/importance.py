@@ -20,10 +20,12 @@ Every weight is 0 where the mask is 0. Shapes: B sequences x T tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
+
+from fp8rl_core.tracking import M_IS_WEIGHT
 
 ISFn = Callable[[torch.Tensor, torch.Tensor, "ISParams"], "ISWeights"]
 IS_VARIANTS: dict[str, ISFn] = {}
@@ -166,11 +168,11 @@ def importance_stats(isw: ISWeights) -> dict[str, float]:
     m = isw.mask
     n = int(m.sum())
     if n == 0:
-        return dict.fromkeys(("is_weight_mean", "is_weight_max", "is_raw_weight_mean", "is_raw_weight_max",
+        return dict.fromkeys((M_IS_WEIGHT, "is_weight_max", "is_raw_weight_mean", "is_raw_weight_max",
                               "is_fraction_truncated", "is_fraction_masked"), 0.0)
     w, raw = isw.weights.double()[m], isw.raw.double()[m]
     return {
-        "is_weight_mean": float(w.mean()),
+        M_IS_WEIGHT: float(w.mean()),
         "is_weight_max": float(w.max()),
         "is_raw_weight_mean": float(raw.mean()),
         "is_raw_weight_max": float(raw.max()),

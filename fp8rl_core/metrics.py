@@ -3,6 +3,8 @@
 The study's Figure 1 is `token_mult_prob_error`: how far the training engine's log-probs of the sampled
 tokens (same weights, before the update) are from what the generation engine reported.
 Shapes: B sequences x T tokens; P prompts x G samples; V vocabulary.
+Every other framework's mismatch metric (NeMo RL, verl, TRL), computed in one pass per step, is in
+fp8rl_core/diagnostics/catalogue.py; the functions here agree with it bit for bit where they overlap.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def token_mult_prob_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tens
     d = _valid_diff(train_logprobs, gen_logprobs, mask)
     if d.numel() == 0:
         return math.nan
-    return float(torch.exp(d.abs()).mean())
+    # sum / n (not .mean()): the same float64 operations as the diagnostics catalogue, so both report
+    # the same bits (fp8rl_core/diagnostics/catalogue.py lists the other frameworks' metrics)
+    return float(torch.exp(d.abs()).sum()) / d.numel()
 
 
 def mismatch_stats(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,

@@ -4,7 +4,7 @@ Layout of one row (T = max over rows of prompt_len + response_len):
     [p_0 .. p_{L-1} | r_0 .. r_{k} (up to and incl. EOS) | pad ...]
 `response_mask[t]` is True on the response tokens that count; `gen_logprobs[t]` holds the generation
 engine's log-prob of `input_ids[t]` at those positions. Tokens sampled after EOS never enter the batch
-(they made the mismatch metric noisy, DESIGN.md).
+(they made the mismatch metric noisy, docs/design.md).
 """
 from __future__ import annotations
 

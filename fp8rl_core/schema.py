@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import json
+import re
 import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-
 
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
@@ -32,7 +31,7 @@ class ConfigError(ValueError):
         tail = f"; valid: {self.valid}" if self.valid else ""
         return f"{head}{self.key}: {self.problem}{tail}"
 
-    def located(self, where: str, prefix: str = "") -> "ConfigError":
+    def located(self, where: str, prefix: str = "") -> ConfigError:
         key = f"{prefix}.{self.key}" if prefix and self.key else (prefix or self.key)
         return ConfigError(key, self.problem, self.valid, where or self.where)
 

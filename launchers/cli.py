@@ -15,14 +15,14 @@ parsed arguments and returns the exit code. A bad sweep file or override exits 2
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from fp8rl_core.schema import ConfigError
-
-from launchers import plan as plan_text
-from launchers.grid import expand_grid
-from launchers.sweep_file import Sweep, load_sweep
+from launchers.plan import render as plan_text
+from launchers.plan.grid import expand_grid
+from launchers.spec.loading import Sweep, load_sweep
 
 Handler = Callable[[argparse.Namespace], int]
 ArgAdder = Callable[[argparse.ArgumentParser], None]
@@ -50,15 +50,21 @@ def load(args: argparse.Namespace) -> Sweep:
 @command("plan", "show the cells, their state and what `run` would do; launch nothing", sweep_file_args,
          lambda p: p.add_argument("--all", action="store_true", help="list every cell (default: the first 200)"))
 def plan(args: argparse.Namespace) -> int:
+    from launchers.plan.memory import plan_cells, refusal
+
     sweep = load(args)
     expansion = None if sweep.spec.search is not None else expand_grid(sweep)
     max_rows = None if args.all else plan_text.DEFAULT_MAX_ROWS
-    sys.stdout.write(plan_text.render_plan(sweep, expansion, STATE_PROVIDER(sweep), max_rows))
+    memory = plan_cells(sweep, expansion.cells) if expansion is not None else None
+    sys.stdout.write(plan_text.render_plan(sweep, expansion, STATE_PROVIDER(sweep), max_rows, memory))
+    refused = refusal(sweep, expansion.cells, memory) if expansion is not None else None
+    if refused is not None:  # the plan is shown, then refused: `sweep run` would submit nothing
+        raise refused
     return 0
 
 
 def _plan_states(sweep: Sweep) -> plan_text.StateProvider:
-    from launchers.status import plan_states
+    from launchers.run.status import plan_states
 
     return plan_states(sweep)
 
@@ -68,16 +74,17 @@ STATE_PROVIDER = _plan_states  # MLflow's states (+ retries used up) for `plan`
 
 @command("run", "run the cells that are not finished; show progress; run it again to resume", sweep_file_args,
          lambda p: p.add_argument("--detach", action="store_true",
-                                  help="submit (SLURM) or start the driver in the background (local), and return"),
+                                  help="return at once, the sweep goes on: a SLURM grid is submitted (cells + "
+                                       "report stage), any other sweep keeps its driver in the background"),
          lambda p: p.add_argument("--retry-failed", action="store_true",
-                                  help="also re-run cells that used up their retries"))
+                                  help="also re-run cells (and search trials) that used up their retries"))
 def run(args: argparse.Namespace) -> int:
     sweep = load(args)
     if sweep.spec.search is not None:
-        from launchers.search import run_search
+        from launchers.run.search import run_search
 
-        return run_search(sweep, detach=args.detach)
-    from launchers.driver import run_sweep
+        return run_search(sweep, detach=args.detach, retry_failed=args.retry_failed)
+    from launchers.run.driver import run_sweep
 
     return run_sweep(sweep, detach=args.detach, retry_failed=args.retry_failed)
 
@@ -87,8 +94,8 @@ def run(args: argparse.Namespace) -> int:
          lambda p: p.add_argument("--watch", action="store_true", help="refresh until nothing is pending or running"),
          lambda p: p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (--watch)"))
 def status(args: argparse.Namespace) -> int:
-    from launchers.status import sweep_status
-    from launchers.survey import TrackingUnreachable
+    from fp8rl_core.tracking.store import TrackingUnreachable
+    from launchers.run.status import sweep_status
 
     try:
         return sweep_status(load(args), watch=args.watch, interval_s=args.interval)
@@ -97,9 +104,15 @@ def status(args: argparse.Namespace) -> int:
         return 1
 
 
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="output folder (default <sweep folder>/report)")
+    p.add_argument("--json", action="store_true", help="print the claim verdicts as JSON (for scripts) instead")
+
+
 @command("report", "figures, table and claim checks from MLflow (any time, also mid-sweep)", sweep_file_args,
-         lambda p: p.add_argument("--out", help="output folder (default <sweep folder>/report)"))
+         _report_args)
 def report(args: argparse.Namespace) -> int:
+    from analysis.config import AnalysisConfig
     from analysis.report import make_report
     from fp8rl_core.tracking.runs import find_parent_run
 
@@ -109,16 +122,22 @@ def report(args: argparse.Namespace) -> int:
     if parent is None:
         print(f"sweep report: no runs of sweep {sweep.experiment!r} at {uri}; run it first", file=sys.stderr)
         return 1
-    paths = make_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report", parent)
-    print(f"report: {paths.report}")
+    paths = make_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report", parent,
+                        config=AnalysisConfig.from_dict(sweep.spec.analysis))
+    if args.json:
+        print(json.dumps(paths.verdicts, indent=2))
+        return 0
+    print(paths.verdicts_text)
+    print(f"\nreport: {paths.report}")
     for path in paths.files()[1:]:
         print(f"  {path}")
+    print(f"MLflow: {paths.ui_link}")
     return 0
 
 
 @command("cancel", "cancel the sweep's queued and running jobs; their runs end KILLED", sweep_file_args)
 def cancel(args: argparse.Namespace) -> int:
-    from launchers.cancel import cancel_sweep
+    from launchers.run.cancel import cancel_sweep
 
     return cancel_sweep(load(args), sys.stdout)
 
@@ -139,10 +158,9 @@ def server(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fp8rl_core.tracking.server import start_server
+    from fp8rl_core.tracking.store import absolute_uri
 
-    store = args.store
-    if store.startswith("sqlite:///") and not store.startswith("sqlite:////"):
-        store = f"sqlite:///{Path.cwd() / store[len('sqlite:///'):]}"
+    store = absolute_uri(args.store, Path.cwd())
     srv = start_server(store, args.artifacts_destination, host=args.host, port=args.port, workers=args.workers)
     print(f"MLflow server at {srv.url} (store {store}, log {srv.log_path})\n"
           f"jobs log to it with: sweep run FILE tracking.uri={srv.url}", flush=True)

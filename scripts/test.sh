@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite, services included (the README's second command; CI runs it).
+# Set up, lint (ruff) and run the whole test suite, services included (the README's second command; CI runs it).
 #   bash scripts/test.sh [pytest args...]
 # Installs Chromium and starts the local SLURM cluster when this machine can host them (root + apt):
 # the `browser` and `slurm` tests need them and fail, never skip, without them (deselect with
@@ -17,6 +17,8 @@ fi
 if [ "${FP8RL_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   bash scripts/slurm/cluster.sh up || { echo "SLURM cluster failed to start" >&2; exit 1; }
 fi
+# lint first: seconds, and a failure here needs no cluster to see (pyproject.toml [tool.ruff])
+ruff check . || { echo "ruff check failed: fix the lines above (ruff check --fix . fixes most)" >&2; exit 1; }
 set +e
 python -m pytest "$@"
 rc=$?

@@ -4,8 +4,9 @@ Shapes: B sequences; R response tokens; T = prompt + response tokens of a traini
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Protocol
 
 import torch
 
@@ -71,7 +72,7 @@ class TrainBatch:
     is_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
 
-    def select(self, rows: torch.Tensor) -> "TrainBatch":
+    def select(self, rows: torch.Tensor) -> TrainBatch:
         """The sub-batch of the given row indices (for optimizer micro-steps)."""
         pick = lambda t: None if t is None else t[rows]  # noqa: E731
         return TrainBatch(*(pick(getattr(self, f)) for f in self.__dataclass_fields__))

@@ -25,8 +25,9 @@ import importlib.util
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -212,7 +213,7 @@ class MegatronTrainingEngine:
 
     @classmethod
     def from_gpt_model(cls, gpt: nn.Module, model_cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor],
-                       cfg: RunConfig) -> "MegatronTrainingEngine":
+                       cfg: RunConfig) -> MegatronTrainingEngine:
         """Wrap an already built GPTModel (any device), loading `hf_state` into it; no environment checks."""
         engine = cls.__new__(cls)
         engine._attach(gpt, model_cfg, hf_state, cfg)

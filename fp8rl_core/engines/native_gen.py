@@ -1,5 +1,5 @@
 """The native generation engine: a Llama/Qwen2 sampler with inference-style kernels (the vLLM side of
-the study's two engines; DESIGN.md "The two engines").
+the study's two engines; docs/design.md "The two engines").
 
 It holds its own weight copy, rebuilt by `refit(weights)` from a Hugging Face-named state dict, and
 runs the same math as HF Llama/Qwen2 with the kernels an inference engine uses, not a trainer's:
@@ -29,8 +29,8 @@ scale. The pad rows are zero and their output columns are dropped. The tiny pres
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -266,7 +266,8 @@ class NativeGenerationEngine:
         for ids, rows, which in group_prompts(prompts, self.device):
             start = width - ids.shape[1]
 
-            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor = rows,
+                       start: int = start, which: torch.Tensor = which) -> torch.Tensor:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [U, H, L, D]
                 if cache is not None:
                     cache.write_rows(i, rows, start, k[which], v[which])

@@ -26,9 +26,10 @@ temperature), which match only at T=1: `sampling_kwargs` refuses other temperatu
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 

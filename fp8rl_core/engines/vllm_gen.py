@@ -26,8 +26,9 @@ import dataclasses
 import gc
 import importlib.util
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 

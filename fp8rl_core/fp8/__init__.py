@@ -1,12 +1,15 @@
 """Blockwise FP8 (E4M3) numerics: quantization, the blockwise-scaled GEMM, Fp8Linear, conversion.
 
-Conventions (DESIGN.md): scale = amax/448 per block in FP32 (the dequant multiplier), weights in
+Conventions (docs/design.md): scale = amax/448 per block in FP32 (the dequant multiplier), weights in
 [128,128] blocks, activations and gradients in [1,128] blocks along the contraction dim.
-Files: quant.py (quantize/dequantize), kernels.py (the block kernels, optional torch.compile),
+Files: quant.py (quantize/dequantize), kernels.py (the reference block kernels, optional torch.compile),
+fused_cpu.py + fused_cpu.c (the CPU default: the same bits in one fused C pass, built once per machine),
 gemm.py (blockwise_scaled_mm + executor choice), emulate.py (CPU/any-device executors),
 cuda_exec.py (Hopper scaled_mm), functional.py (inference linear), linear.py (Fp8Linear),
 convert.py (swap nn.Linear layers).
-Env: FP8RL_GEMM=<executor> forces a GEMM executor; FP8RL_COMPILE=1 compiles the quantization kernels.
+Env: FP8RL_GEMM=<executor> forces a GEMM executor; FP8RL_COMPILE=1 compiles the quantization kernels;
+FP8RL_FUSED=0 turns the fused CPU kernels off; FP8RL_WEIGHT_CACHE=0 re-quantizes Fp8Linear weights at
+every forward (linear.py).
 """
 from fp8rl_core.fp8.convert import convert_linear_layers
 from fp8rl_core.fp8.functional import Fp8Weight, fp8_linear, quantize_weight

@@ -1,8 +1,8 @@
 """Swap a module's nn.Linear layers for Fp8Linear in place (the recipe's "FP8 linear layers")."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fnmatch import fnmatch
-from typing import Iterable
 
 from torch import nn
 

@@ -51,7 +51,8 @@ def _scales(a: Operand, b: Operand, mp: int, np_: int, kb: int) -> tuple[torch.T
 def run_scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
     """C [M, N] = A [M, K] B [N, K]^T through torch's blockwise scaled_mm (SM90)."""
     if a.block != (1, 128) or b.block not in ((1, 128), (128, 128)):
-        raise ValueError(f"scaled_mm executor: supports A (1,128) x B (1,128)/(128,128) blocks, got {a.block} x {b.block}")
+        raise ValueError(f"scaled_mm executor: supports A (1,128) x B (1,128)/(128,128) blocks, "
+                         f"got {a.block} x {b.block}")
     (m, k), n = a.q.shape, b.q.shape[0]
     mp, kp, np_ = _round_up(m, 4), _round_up(k, 128), _round_up(n, 128)
     qa, qb = _pad2d(a.q, mp, kp), _pad2d(b.q, np_, kp)
@@ -69,7 +70,7 @@ def run_scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tenso
     return c[:m, :n].to(out_dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _probe_scaled_mm(device_index: int) -> bool:
     """True if blockwise scaled_mm runs here and agrees with the emulation on a small GEMM."""
     if torch.cuda.get_device_capability(device_index) != (9, 0):

@@ -19,7 +19,7 @@ FP32 matmuls here never use reduced-precision modes (TF32, oneDNN BF16), whateve
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -43,7 +43,8 @@ def select_executor(device: torch.device | str, override: str | None = None) -> 
 def _check_operands(a: Operand, b: Operand) -> None:
     for name, op in (("qa", a), ("qb", b)):
         if op.q.dtype != FP8_DTYPE or op.q.dim() != 2:
-            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor, got {op.q.dtype} of shape {tuple(op.q.shape)}")
+            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor, "
+                             f"got {op.q.dtype} of shape {tuple(op.q.shape)}")
     if a.q.shape[1] != b.q.shape[1]:
         raise ValueError(f"qa {tuple(a.q.shape)} and qb {tuple(b.q.shape)}: contraction dims (K) differ")
     if a.block[1] != b.block[1]:

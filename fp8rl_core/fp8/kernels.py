@@ -8,12 +8,14 @@ Compiled and eager kernels give bit-identical results (tested).
 Measured here: compiled, the quantizer fuses into ~2 passes (about 2x a copy of the input), while
 float8 -> float32 decoding stays slow (no vector instruction for it on these CPUs; an arithmetic
 rounding/decoding by bit manipulation was tried and was slower than the native casts).
+On the CPU these kernels are the reference: quant.py runs fused_cpu.c (same bits, one pass) instead,
+unless compiling is on or FP8RL_FUSED=0.
 """
 from __future__ import annotations
 
 import functools
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -5,8 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fp8rl_core.fp8.kernels import dequantize_blocks, kernel
-from fp8rl_core.fp8.quant import from_blocks, to_blocks
+from fp8rl_core.fp8.quant import dequantize_2d
 
 
 @dataclass(frozen=True)
@@ -22,7 +21,7 @@ class Operand:
     block: tuple[int, int]
     deq: torch.Tensor | None = None
 
-    def t(self) -> "Operand":
+    def t(self) -> Operand:
         """The transposed operand (views, no copies): [K, R] with the block grid transposed."""
         deq = None if self.deq is None else self.deq.t()
         return Operand(self.q.t(), self.scale.t(), (self.block[1], self.block[0]), deq)
@@ -31,5 +30,4 @@ class Operand:
         """deq, or q * scale computed now (FP32 [R, K])."""
         if self.deq is not None:
             return self.deq
-        (r, k), (br, bc) = self.q.shape, self.block
-        return from_blocks(kernel(dequantize_blocks)(to_blocks(self.q, (br, bc)), self.scale), r, k)
+        return dequantize_2d(self.q, self.scale, self.block)

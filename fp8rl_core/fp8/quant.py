@@ -16,7 +16,16 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.fp8.kernels import E4M3_MAX, FP8_DTYPE, MIN_SCALE, dequantize_blocks, kernel, quantize_blocks
+from fp8rl_core.fp8 import fused_cpu
+from fp8rl_core.fp8.kernels import (
+    E4M3_MAX,
+    FP8_DTYPE,
+    MIN_SCALE,
+    compile_enabled,
+    dequantize_blocks,
+    kernel,
+    quantize_blocks,
+)
 
 __all__ = ["E4M3_MAX", "FP8_DTYPE", "MIN_SCALE", "quantize_blockwise", "dequantize_blockwise"]
 
@@ -78,12 +87,26 @@ def quantize_2d(
         raise ValueError(f"{name}: dtype {x2.dtype} not supported; allowed: float32, bfloat16, float16")
     (m, n), block = x2.shape, check_block(block)
     x2 = x2.detach()  # quantization is not differentiated (Fp8Linear defines its own backward)
+    # the fused CPU kernel gives the reference's bits; it declines (None) non-finite blocks, so the
+    # finiteness check below only ever sees the reference's scales
+    fused = None if compile_enabled() else fused_cpu.quantize(x2, block, power_of_two, want_dequant)
+    if fused is not None:
+        return fused
     qb, scale, deqb = kernel(quantize_blocks)(to_blocks(x2, block), power_of_two, want_dequant)
     if check_finite and not bool(torch.isfinite(scale).all()):
         raise ValueError(f"{name}: non-finite values (NaN or inf) in a tensor to quantize, shape {tuple(x2.shape)}")
     q = from_blocks(qb, m, n)
     deq = None if deqb is None else from_blocks(deqb, m, n)
     return q, scale, deq
+
+
+def dequantize_2d(q2: torch.Tensor, scale: torch.Tensor, block: Block, out_dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+    """q2 [M, N] E4M3, scale [Mb, Nb] -> q * scale in FP32, cast to out_dtype (fused kernel or reference)."""
+    fused = None if compile_enabled() else fused_cpu.dequantize(q2, scale, block, out_dtype)
+    if fused is not None:
+        return fused
+    return from_blocks(kernel(dequantize_blocks)(to_blocks(q2, block), scale.float(), out_dtype), *q2.shape)
 
 
 def quantize_blockwise(
@@ -121,8 +144,8 @@ def dequantize_blockwise(
     q2 = as_2d(q, "q")
     expected = scale_shape(tuple(q2.shape), block)
     if tuple(scale.shape) != expected:
-        raise ValueError(f"scale: shape {tuple(scale.shape)} does not match q {tuple(q.shape)} with block {block}; expected {expected}")
+        raise ValueError(f"scale: shape {tuple(scale.shape)} does not match q {tuple(q.shape)} "
+                         f"with block {block}; expected {expected}")
     if q.dtype != FP8_DTYPE:
         raise ValueError(f"q: expected float8_e4m3fn, got {q.dtype}")
-    x = kernel(dequantize_blocks)(to_blocks(q2, block), scale.float(), out_dtype)
-    return from_blocks(x, *q2.shape).reshape(q.shape)
+    return dequantize_2d(q2, scale, block, out_dtype).reshape(q.shape)

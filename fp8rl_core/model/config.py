@@ -36,7 +36,7 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
 
     @classmethod
-    def from_hf_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Map an HF config.json dict (Llama or Qwen2) onto ModelConfig, ignoring unknown keys."""
         names = {f.name for f in fields(cls)}
         kw = {k: v for k, v in data.items() if k in names}

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -86,7 +86,7 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path, *, bos: int | str | None = None, eos: int | str | None = None,
-                  pad: int | str | None = None, strict: bool = True) -> "Tokenizer":
+                  pad: int | str | None = None, strict: bool = True) -> Tokenizer:
         """Load a tokenizer.json (or a folder holding one). Special tokens, each an id or a token string:
         the arguments first, then the folder's tokenizer_config.json, then well-known spellings; PAD falls
         back to EOS; a missing EOS is an error (generation could not stop)."""

@@ -5,7 +5,8 @@ synthetic) or `jsonl` (the user's data).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fp8rl_core.tasks.arithmetic import ArithmeticTask
 from fp8rl_core.tasks.base import Example, Task, as_random, exact_match

@@ -6,7 +6,7 @@ Distribution: an operator uniformly from `operators`; each operand gets a digit 
 which spreads difficulty. The validation set is `val_size` distinct prompts of this distribution, drawn
 with `data_seed`; training and warm-start sampling reject those prompts, so they are never trained on.
 
-Warm start (DESIGN.md: a tiny Llama trained on 1-2-digit addition reaches 97.5% in 600 steps, far too
+Warm start (docs/design.md: a tiny Llama trained on 1-2-digit addition reaches 97.5% in 600 steps, far too
 easy): `warmstart_sample` draws operands of at most `warmstart_digits` digits, except for a
 `warmstart_full_fraction` of examples drawn from the RL distribution. E.g. digits=3, warmstart_digits=2,
 warmstart_full_fraction=0.05 leaves the 3-digit operands mostly unseen before RL: the policy starts with
@@ -22,7 +22,7 @@ then it stalls near the greedy accuracy (~52%).
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 from fp8rl_core.tasks.base import Example, Rng, Task, as_random
 

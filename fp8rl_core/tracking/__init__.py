@@ -5,7 +5,9 @@ The MLflow contract (what the UI, `analysis/` and outside tools read; these name
 - one parent run per sweep (tag `fp8rl.role=sweep`), one child run per cell (`fp8rl.role=cell`,
   `mlflow.parentRunId`), child tags `sweep`, `cell_id`, `recipe`, `importance_sampling`, `seed`;
 - per-step metrics `token_mult_prob_error`, `reward_mean`, `val_accuracy` (validation steps only,
-  a fraction in [0, 1]), `is_weight_mean`, `loss`, `step_time_s`. Optional: `tokens_per_s`.
+  a fraction in [0, 1]), `is_weight_mean`, `loss`, `step_time_s`, and the mismatch tails
+  `logprob_abs_diff_frac_gt_{0.1,1,10}`. Optional: `tokens_per_s`; the rest of the diagnostics
+  catalogue (fp8rl_core/diagnostics/catalogue.py) and the `diagnostics/worst_tokens.jsonl` artifact.
 
 Run side (the training loop):
 
@@ -14,15 +16,19 @@ Run side (the training loop):
     sink.log_params(flat_config); sink.log(step, {"loss": 0.3, ...}); sink.close("FINISHED")
     # or open_sink(output_dir, uri, run_id) without a RunConfig
 
-Driver side (`launchers/`), see `runs.py`: `ensure_experiment`, `create_parent_run`,
-`find_or_create_cell_run`, `cell_states`, `finish_run`; `server.py`: `start_server`.
+Driver side (`launchers/`): `runs.py` owns every run's lifecycle — `ensure_experiment`,
+`create_parent_run`, `find_or_create_cell_run`, `cell_states`, `start_run`, `end_run` (which ships a
+cell's unshipped metrics.jsonl records before it sets the status), `finish_run`; `store.py` holds the
+helpers below it (URIs, retries, the one status write); `server.py`: `start_server`.
+
+Modules, lowest first (no cycles): `jsonl` (the local buffer) <- `store` <- `mlflow_sink` (ships the
+buffer) <- `runs` (lifecycle) <- `sink` (what a training run logs through: `make_run_sink`).
 
 Submodules that import MLflow are loaded lazily, so that `import fp8rl_core.tracking` stays cheap.
 """
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
 
 # --- the contract -------------------------------------------------------------------------------
@@ -42,16 +48,23 @@ M_IS_WEIGHT = "is_weight_mean"
 M_LOSS = "loss"
 M_STEP_TIME = "step_time_s"
 M_TOKENS_PER_S = "tokens_per_s"  # optional; the summary table shows it when logged
-CONTRACT_METRICS = (M_MISMATCH, M_REWARD, M_VAL_ACC, M_IS_WEIGHT, M_LOSS, M_STEP_TIME)
+# Tails of d = logprob_train - logprob_gen per step: the fraction of valid response tokens with |d| above
+# 0.1, 1 and 10 nats (fp8rl_core/diagnostics/catalogue.py computes them; analysis/ summarizes them per run).
+M_FRAC_GT_0P1 = "logprob_abs_diff_frac_gt_0.1"
+M_FRAC_GT_1 = "logprob_abs_diff_frac_gt_1"
+M_FRAC_GT_10 = "logprob_abs_diff_frac_gt_10"
+TAIL_FRACTIONS = (M_FRAC_GT_0P1, M_FRAC_GT_1, M_FRAC_GT_10)
+CONTRACT_METRICS = (M_MISMATCH, M_REWARD, M_VAL_ACC, M_IS_WEIGHT, M_LOSS, M_STEP_TIME, *TAIL_FRACTIONS)
 
 METRICS_FILE = "metrics.jsonl"  # the run's append-only buffer, under its output_dir
 
 _LAZY = {
     "MetricSink": "sink", "JsonlSink": "sink", "MultiSink": "sink", "read_records": "sink", "make_run_sink": "sink",
+    "open_sink": "sink",
     "MlflowSink": "mlflow_sink", "replay_buffer": "mlflow_sink",
     "ensure_experiment": "runs", "create_parent_run": "runs", "find_parent_run": "runs",
-    "find_or_create_cell_run": "runs", "cell_states": "runs", "finish_run": "runs",
-    "flatten_params": "runs", "context_tags": "runs",
+    "find_or_create_cell_run": "runs", "cell_states": "runs", "start_run": "runs", "end_run": "runs",
+    "finish_run": "runs", "flatten_params": "store", "context_tags": "store", "sqlite_path": "store",
     "start_server": "server", "MlflowServer": "server",
 }
 
@@ -61,23 +74,3 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def open_sink(output_dir: str | Path, uri: str | None = None, run_id: str | None = None, **kwargs: Any):
-    """The sink a run should use: `output_dir/metrics.jsonl` always; MLflow too when `uri` is set.
-
-    With `uri` and `run_id` (the cell run the driver created) this is an `MlflowSink` whose local
-    buffer is that same JSONL file; `kwargs` go to `MlflowSink`. With `uri` but no `run_id` it is an
-    error (a run never creates its own MLflow run: the driver owns run creation).
-    """
-    path = Path(output_dir) / METRICS_FILE
-    if uri is None:
-        from fp8rl_core.tracking.sink import JsonlSink
-
-        return JsonlSink(path)
-    if not run_id:
-        raise ValueError("tracking.run_id: required when tracking.uri is set (the sweep driver creates the "
-                         "cell's MLflow run; a run without a sweep uses make_run_sink, which creates one)")
-    from fp8rl_core.tracking.mlflow_sink import MlflowSink
-
-    return MlflowSink(uri, run_id, path, **kwargs)

@@ -32,16 +32,17 @@ import random
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-from fp8rl_core.tracking.runs import MAX_TAG_VALUE_LEN, context_tags, flatten_params
-from fp8rl_core.tracking.sink import JsonlSink, check_status, read_records
+from fp8rl_core.tracking.jsonl import JsonlSink, check_status, read_records
+from fp8rl_core.tracking.store import MAX_TAG_VALUE_LEN, context_tags, flatten_params, set_status
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,8 @@ class _Chunk:
 
     def fits(self, n_metrics: int, n_params: int, n_tags: int) -> bool:
         return (len(self.metrics) + n_metrics <= MAX_METRICS and len(self.params) + n_params <= MAX_PARAMS_TAGS
-                and len(self.tags) + n_tags <= MAX_PARAMS_TAGS and self.size() + n_metrics + n_params + n_tags <= MAX_ENTITIES)
+                and len(self.tags) + n_tags <= MAX_PARAMS_TAGS
+                and self.size() + n_metrics + n_params + n_tags <= MAX_ENTITIES)
 
 
 def _entities(rec: dict) -> tuple[list[Metric], list[Param], list[RunTag]]:
@@ -266,10 +268,8 @@ class MlflowSink:
                 self.client.log_artifact(self.run_id, rec["path"], rec.get("artifact_path"))
             else:
                 log.error("MLflow run %s: artifact %s vanished before it was shipped", self.run_id, rec["path"])
-        elif rec["status"] == "RUNNING":
-            self.client.update_run(self.run_id, status="RUNNING")
         else:
-            self.client.set_terminated(self.run_id, rec["status"], end_time=int(rec["time_ms"]))
+            set_status(self.client, self.run_id, rec["status"], end_time=int(rec["time_ms"]))
 
     # --- resume state -----------------------------------------------------------------------------
     def _load_offset(self) -> int:

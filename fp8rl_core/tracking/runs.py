@@ -1,5 +1,6 @@
-"""MLflow run management for the sweep driver: the experiment, one parent run per sweep, one child run
-per cell, and the cells' states in one query.
+"""The MLflow run lifecycle, owned here: the experiment, one parent run per sweep, one child run per
+cell, their statuses, and the cells' states in one query. The sweep driver, the cell jobs, `sweep
+cancel` and the sink all go through it (the one status write is `store.set_status`).
 
     exp_id = ensure_experiment(uri, "fp8rl")                       # before any job is submitted
     parent = create_parent_run(uri, "fp8rl", "fp8_ablation", params=flat_sweep, config=sweep_dict)
@@ -7,6 +8,8 @@ per cell, and the cells' states in one query.
                                              tags={"recipe": "bf16", "importance_sampling": "none",
                                                    "seed": "0"}, params=cfg_dict, config=cfg_dict)
     if status != "FINISHED": submit(cell, run_id)                 # the job logs into run_id
+    start_run(uri, run_id)                                         # RUNNING (a requeued job goes on)
+    end_run(uri, run_id, "KILLED", buffer_path=out / "metrics.jsonl")   # ships what the cell logged, then ends
     states = cell_states(uri, "fp8rl", "fp8_ablation")             # {cell_id: "FINISHED", ...}
     finish_run(uri, parent, "FINISHED")
 
@@ -24,42 +27,45 @@ Tags: `sweep`, `fp8rl.role`, `mlflow.source.git.commit` (shown by the UI), `git_
 """
 from __future__ import annotations
 
-import getpass
-import hashlib
-import json
-import os
-import socket
-import subprocess
-import tempfile
+import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
-import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Param, RunTag, ViewType
+from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 
-from fp8rl_core.schema import flatten
-from fp8rl_core.tracking import TAG_CELL_ID, TAG_PARENT, TAG_ROLE, TAG_SWEEP
+from fp8rl_core.tracking import TAG_CELL_ID, TAG_IS, TAG_PARENT, TAG_RECIPE, TAG_ROLE, TAG_SEED, TAG_SWEEP
+from fp8rl_core.tracking.mlflow_sink import replay_buffer
+from fp8rl_core.tracking.store import (  # noqa: F401  (flatten_params, context_tags, ...: this module's API too)
+    END_STATUSES,
+    MAX_KEY_LEN,
+    MAX_PARAM_VALUE_LEN,
+    MAX_PARAMS_PER_BATCH,
+    MAX_TAG_VALUE_LEN,
+    OPEN_STATUSES,
+    TrackingUnreachable,
+    context_tags,
+    default_artifact_location,
+    flatten_params,
+    log_config_artifact,
+    log_params,
+    retry_locked,
+    set_status,
+    set_tags,
+    slurm_job_id,
+    tracking_reachable,
+)
 
-MAX_KEY_LEN = 250
-MAX_PARAM_VALUE_LEN = 6000
-MAX_TAG_VALUE_LEN = 8000
-MAX_PARAMS_PER_BATCH = 100
+log = logging.getLogger(__name__)
+
 STATUS_RANK = {"FINISHED": 5, "RUNNING": 4, "SCHEDULED": 3, "FAILED": 2, "KILLED": 1}
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-# MLflow 3's UI opens an experiment of this kind on its "Model training" views (runs table, charts)
-# rather than on the GenAI traces overview.
+# The experiment's kind for MLflow 3.x UIs that read it (earlier 3.x, Databricks). MLflow 3.17 ignores it:
+# its view comes from the browser (URL `?workflowType=machine_learning`, else local storage, default
+# GenAI "Overview"), so links to the runs table carry that query (`analysis.report.ui_link`).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
-
-
-def default_artifact_location(uri: str) -> str | None:
-    """`sqlite:///dir/mlflow.db` -> `file:///dir/mlartifacts` (artifacts beside the database, not
-    in MLflow's cwd-relative `./mlruns`); None for other stores (the server decides)."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    db = Path(uri.removeprefix("sqlite:///"))
-    return (db.resolve().parent / "mlartifacts").as_uri()
+ERROR_TAG = "fp8rl.error"  # the exception that ended a failed cell, shown in the MLflow UI
 
 
 def ensure_experiment(uri: str, name: str, artifact_location: str | None = None) -> str:
@@ -77,81 +83,6 @@ def ensure_experiment(uri: str, name: str, artifact_location: str | None = None)
         raise ValueError(f"experiment {name!r} (id {exp.experiment_id}) is deleted in {uri}; restore it "
                          f"(`mlflow experiments restore --experiment-id {exp.experiment_id}`) or choose another name")
     return exp.experiment_id
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", "-C", str(_REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def slurm_job_id(env: Mapping[str, str] | None = None) -> str | None:
-    """`<array job>_<task>` for an array task, else `SLURM_JOB_ID`, else None."""
-    env = os.environ if env is None else env
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return env.get("SLURM_JOB_ID") or None
-
-
-def context_tags(git: bool = True) -> dict[str, str]:
-    """Where and from what code this process runs: host, user, git commit, SLURM job id."""
-    tags = {"host": socket.gethostname()}
-    try:
-        tags["mlflow.user"] = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry inside some containers
-        pass
-    if git:
-        commit = _git("rev-parse", "HEAD")
-        if commit:
-            tags["mlflow.source.git.commit"] = tags["git_commit"] = commit
-            tags["git_dirty"] = str(bool(_git("status", "--porcelain", "--untracked-files=no")))
-    job = slurm_job_id()
-    if job:
-        tags["slurm_job_id"] = job
-    return tags
-
-
-def _param_text(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str) if isinstance(value, (list, tuple)) else str(value)
-    if len(text) > MAX_PARAM_VALUE_LEN:
-        mark = "...[truncated]"
-        text = text[: MAX_PARAM_VALUE_LEN - len(mark)] + mark
-    return text
-
-
-def _param_key(key: str) -> str:
-    if len(key) <= MAX_KEY_LEN:
-        return key
-    digest = hashlib.sha256(key.encode()).hexdigest()[:8]  # keeps two long keys apart
-    return f"{key[: MAX_KEY_LEN - 9]}~{digest}"
-
-
-def flatten_params(config: Mapping[str, Any]) -> dict[str, str]:
-    """Nested config -> `{"a.b": "value"}` within MLflow's limits (lists as JSON, None as 'None')."""
-    return {_param_key(k): _param_text(v) for k, v in flatten(dict(config)).items()}
-
-
-def log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
-    """Flatten and log `params` in batches of <= 100 (MLflow's per-request limit)."""
-    items = [Param(k, v) for k, v in flatten_params(params).items()]
-    for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH], synchronous=True)
-
-
-def set_tags(client: MlflowClient, run_id: str, tags: Mapping[str, Any]) -> None:
-    items = [RunTag(k, str(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
-    for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-        client.log_batch(run_id, tags=items[i : i + MAX_PARAMS_PER_BATCH], synchronous=True)
-
-
-def log_config_artifact(client: MlflowClient, run_id: str, config: Mapping[str, Any], name: str = "config.yaml") -> None:
-    """The full (untruncated) config as a YAML artifact at the run's artifact root."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / name
-        path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
-        client.log_artifact(run_id, str(path))
 
 
 def _quoted(key: str, value: str) -> str:
@@ -214,9 +145,9 @@ def create_parent_run(uri: str, experiment: str, sweep_name: str, tags: Mapping[
 
 
 def _cell_run_name(cell_id: str, tags: Mapping[str, Any]) -> str:
-    parts = [str(tags[k]) for k in ("recipe", "importance_sampling") if k in tags]
-    if "seed" in tags:
-        parts.append(f"s{tags['seed']}")
+    parts = [str(tags[k]) for k in (TAG_RECIPE, TAG_IS) if k in tags]
+    if TAG_SEED in tags:
+        parts.append(f"s{tags[TAG_SEED]}")
     return "-".join(parts + [cell_id[:8]])
 
 
@@ -260,11 +191,54 @@ def cell_states(uri: str, experiment: str, sweep_name: str) -> dict[str, str]:
     return states
 
 
+def start_run(uri: str, run_id: str) -> None:
+    """A job started (or a requeued job goes on): RUNNING, unless the run already FINISHED."""
+    client = MlflowClient(uri)
+    if client.get_run(run_id).info.status != "FINISHED":
+        set_status(client, run_id, "RUNNING")
+
+
+def end_run(uri: str, run_id: str, status: str, buffer_path: str | Path | None = None, error: str | None = None,
+            only_open: bool = True, ship_timeout_s: float = 60.0) -> bool:
+    """End a run as `status` (FINISHED, FAILED, KILLED); True when this call set it.
+
+    `buffer_path` (the cell's metrics.jsonl): its records MLflow has not acknowledged are shipped
+    FIRST, so a killed or failed cell keeps every step it logged. `error`: the exception text,
+    tagged `fp8rl.error`. `only_open`: leave a run that already ended (or never should: FINISHED) as it is.
+    """
+    if status not in END_STATUSES:
+        raise ValueError(f"status: {status!r} not allowed; valid: {', '.join(END_STATUSES)}")
+    if buffer_path is not None and Path(buffer_path).exists():
+        try:
+            replay_buffer(uri, run_id, buffer_path, timeout_s=ship_timeout_s)
+        except ValueError as e:  # the buffer belongs to another run: never ship it here
+            log.warning("run %s: %s", run_id, e)
+    client = MlflowClient(uri)
+    if error:
+        retry_locked(client.set_tag, run_id, ERROR_TAG, error[:MAX_TAG_VALUE_LEN // 2])
+    if only_open and retry_locked(client.get_run, run_id).info.status not in OPEN_STATUSES:
+        return False
+    retry_locked(set_status, client, run_id, status)
+    return True
+
+
 def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
-    """Mark a run terminated (the driver does this for the parent run at the end of a sweep)."""
-    if status not in ("FINISHED", "FAILED", "KILLED"):
-        raise ValueError(f"status: {status!r} not allowed; valid: FINISHED, FAILED, KILLED")
-    MlflowClient(uri).set_terminated(run_id, status)
+    """End a sweep's parent run (whatever its status was)."""
+    end_run(uri, run_id, status, only_open=False)
+
+
+def last_metric(uri: str, run_id: str, key: str) -> float | None:
+    """The last logged value of metric `key` in the run (None if never logged)."""
+    return retry_locked(MlflowClient(uri).get_run, run_id).data.metrics.get(key)
+
+
+def log_summary(uri: str, run_id: str, metrics: Mapping[str, float], tags: Mapping[str, Any]) -> None:
+    """Summary metrics and tags on a (parent) run, e.g. an Optuna search's best trial."""
+    client = MlflowClient(uri)
+    for key, value in metrics.items():
+        retry_locked(client.log_metric, run_id, key, value)
+    for key, value in tags.items():
+        retry_locked(client.set_tag, run_id, key, str(value)[:MAX_TAG_VALUE_LEN])
 
 
 def create_run(uri: str, experiment: str, run_name: str | None = None, tags: Mapping[str, Any] | None = None,

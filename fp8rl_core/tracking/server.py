@@ -21,13 +21,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-from fp8rl_core.tracking.runs import default_artifact_location
+from fp8rl_core.tracking.store import default_artifact_location, health_ok, sqlite_path
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -49,14 +47,6 @@ def server_command(backend_store_uri: str, artifacts_destination: str | None = N
     if dest:
         cmd += ["--serve-artifacts", "--artifacts-destination", dest]
     return cmd + list(extra_args)
-
-
-def health_ok(url: str, timeout_s: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
 
 
 @dataclass
@@ -88,7 +78,7 @@ class MlflowServer:
         except OSError:
             return ""
 
-    def __enter__(self) -> "MlflowServer":
+    def __enter__(self) -> MlflowServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -117,7 +107,7 @@ def start_server(backend_store_uri: str, artifacts_destination: str | None = Non
         log.warning("mlflow server binds to %s: anyone who can reach this address can read and write runs", host)
     port = port or free_port(host if host != "localhost" else "127.0.0.1")
     if log_path is None:
-        db = Path(backend_store_uri.removeprefix("sqlite:///")) if backend_store_uri.startswith("sqlite:///") else Path.cwd() / "x"
+        db = sqlite_path(backend_store_uri) or Path.cwd() / "x"
         log_path = db.parent / f"mlflow-server-{port}.log"
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)

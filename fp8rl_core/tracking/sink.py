@@ -21,18 +21,19 @@ A torn last line (a kill mid-write) is cut off when the file is reopened.
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import threading
-import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+from fp8rl_core.tracking import METRICS_FILE, TAG_CELL_ID, TAG_IS, TAG_RECIPE, TAG_SEED
+from fp8rl_core.tracking.jsonl import RUN_STATUSES, JsonlSink, check_status, now_ms, read_records, to_metric_values
+
+__all__ = ["RUN_STATUSES", "JsonlSink", "MetricSink", "MultiSink", "check_status", "make_run_sink", "now_ms",
+           "read_records", "to_metric_values"]
 
 log = logging.getLogger(__name__)
 
-RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
 RUN_ID_FILE = "mlflow_run_id"  # under output_dir: the MLflow run a standalone run created for itself
 
 
@@ -49,152 +50,6 @@ class MetricSink(Protocol):
     def flush(self) -> None: ...
 
     def close(self, status: str | None = "FINISHED") -> None: ...
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def check_status(status: str | None) -> str | None:
-    """A terminal status, or None for "leave the run RUNNING" (also spelled "RUNNING")."""
-    if status is None or status == "RUNNING":
-        return None
-    if status not in RUN_STATUSES:
-        raise ValueError(f"status: {status!r} is not allowed; valid: {', '.join(RUN_STATUSES)}, RUNNING or None")
-    return status
-
-
-def to_metric_values(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Validate keys and convert values (Python/numpy/0-d torch scalars) to float."""
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"metric key {key!r}: must be a non-empty string")
-        try:
-            out[key] = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"metric {key!r}: expected a number, got {type(value).__name__} {value!r}") from None
-    return out
-
-
-def read_records(path: str | Path, start: int = 0) -> Iterator[tuple[int, dict]]:
-    """Yield `(end_offset, record)` for each complete line from byte `start` (torn tail ignored)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    with open(path, "rb") as f:
-        f.seek(start)
-        offset = start
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break  # an incomplete line: a writer is mid-write, or a kill tore it
-            offset += len(raw)
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                log.warning("%s: skipping an unreadable line ending at byte %d", path, offset)
-                continue
-            yield offset, record
-
-
-def _cut_torn_tail(path: Path) -> None:
-    """Truncate after the last newline, so the next record starts on a line of its own."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return
-        f.seek(0)
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        f.truncate(keep)
-        log.warning("%s: cut a torn last line (%d bytes)", path, len(data) - keep)
-
-
-class JsonlSink:
-    """Append-only JSONL file of everything a run logs; safe to reopen after a requeue.
-
-    Each record is one `write` followed by a flush, so a killed process loses at most the record
-    being written (a machine crash may lose what the OS had not written yet; `close` fsyncs).
-    """
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _cut_torn_tail(self.path)
-        self.last_step: dict[str, int] = {}  # metric key -> highest step recorded
-        for _, rec in read_records(self.path):
-            if rec.get("kind") == "metrics":
-                for key in rec.get("values", {}):
-                    self.last_step[key] = max(self.last_step.get(key, -1), int(rec["step"]))
-        self.dropped = 0  # (key, step) values not recorded because that step was already there
-        self._lock = threading.Lock()
-        self._file = open(self.path, "a", encoding="utf-8")
-
-    def _write(self, record: dict) -> None:
-        line = json.dumps(record, separators=(",", ":"), default=str) + "\n"
-        with self._lock:
-            if self._file.closed:
-                raise ValueError(f"{self.path}: sink is closed")
-            self._file.write(line)
-            self._file.flush()
-
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
-        """Record `metrics` at `step`; returns the values actually recorded (first write wins)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise TypeError(f"step: expected an int >= 0, got {step!r}")
-        values = to_metric_values(metrics)
-        fresh = {k: v for k, v in values.items() if step > self.last_step.get(k, -1)}
-        if len(fresh) < len(values):
-            self.dropped += len(values) - len(fresh)
-            log.info("%s: step %d already recorded for %s; keeping the first values",
-                     self.path, step, sorted(set(values) - set(fresh)))
-        if fresh:
-            self._write({"kind": "metrics", "step": step, "time_ms": now_ms(),
-                         "values": {k: (v if math.isfinite(v) else str(v)) for k, v in fresh.items()}})
-            for k in fresh:
-                self.last_step[k] = step
-        return fresh
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        if params:
-            self._write({"kind": "params", "time_ms": now_ms(), "values": dict(params)})
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None:
-        if tags:
-            self._write({"kind": "tags", "time_ms": now_ms(), "values": {k: str(v) for k, v in tags.items()}})
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        path = Path(path).resolve()
-        if not path.exists():
-            raise FileNotFoundError(f"log_artifact: {path} does not exist")
-        self._write({"kind": "artifact", "time_ms": now_ms(), "path": str(path), "artifact_path": artifact_path})
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                self._file.flush()
-                os.fsync(self._file.fileno())
-
-    def mark(self, status: str) -> None:
-        """Record a run status change (RUNNING at start, a terminal status at close)."""
-        self._write({"kind": "status", "time_ms": now_ms(), "status": status})
-
-    def close(self, status: str | None = "FINISHED") -> None:
-        status = check_status(status)
-        if self._file.closed:
-            return
-        if status is not None:
-            self.mark(status)
-        self.flush()
-        with self._lock:
-            self._file.close()
-
-
-def metric_value(raw: Any) -> float:
-    """Inverse of the JSONL encoding: non-finite values are stored as the strings 'nan', 'inf'."""
-    return float(raw)
 
 
 class MultiSink:
@@ -242,8 +97,8 @@ def _standalone_run_id(cfg: Any, out_dir: Path) -> str:
     from fp8rl_core.config import run_config_hash
     from fp8rl_core.tracking.runs import create_run
 
-    tags = {"recipe": cfg.recipe, "importance_sampling": cfg.loss.importance_sampling, "seed": cfg.seed,
-            "cell_id": run_config_hash(cfg), **cfg.tracking.tags}
+    tags = {TAG_RECIPE: cfg.recipe, TAG_IS: cfg.loss.importance_sampling, TAG_SEED: cfg.seed,
+            TAG_CELL_ID: run_config_hash(cfg), **cfg.tracking.tags}
     run_id = create_run(cfg.tracking.uri, cfg.tracking.experiment, tags=tags)
     out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(run_id + "\n")
@@ -258,8 +113,6 @@ def make_run_sink(cfg: Any, out_dir: str | Path, resume_step: int | None = None)
     `resume_step` (the checkpoint step a resumed run restarts after) is informational: a resumed run
     may log steps again, and the sink keeps the first value of each (key, step) in any case.
     """
-    from fp8rl_core.tracking import METRICS_FILE
-
     out = Path(out_dir)
     if not cfg.tracking.uri:
         sink: MetricSink = JsonlSink(out / METRICS_FILE)
@@ -271,3 +124,21 @@ def make_run_sink(cfg: Any, out_dir: str | Path, resume_step: int | None = None)
     if resume_step:
         log.info("%s: resuming after step %d; steps already recorded keep their first values", out, resume_step)
     return sink
+
+
+def open_sink(output_dir: str | Path, uri: str | None = None, run_id: str | None = None, **kwargs: Any) -> MetricSink:
+    """The sink a run should use: `output_dir/metrics.jsonl` always; MLflow too when `uri` is set.
+
+    With `uri` and `run_id` (the cell run the driver created) this is an `MlflowSink` whose local
+    buffer is that same JSONL file; `kwargs` go to `MlflowSink`. With `uri` but no `run_id` it is an
+    error (a run never creates its own MLflow run: the driver owns run creation).
+    """
+    path = Path(output_dir) / METRICS_FILE
+    if uri is None:
+        return JsonlSink(path)
+    if not run_id:
+        raise ValueError("tracking.run_id: required when tracking.uri is set (the sweep driver creates the "
+                         "cell's MLflow run; a run without a sweep uses make_run_sink, which creates one)")
+    from fp8rl_core.tracking.mlflow_sink import MlflowSink
+
+    return MlflowSink(uri, run_id, path, **kwargs)

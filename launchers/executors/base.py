@@ -1,6 +1,6 @@
 """What every executor offers the driver: submit a batch of jobs, poll them all at once, cancel them.
 
-A job is a callable plus its arguments (`Task`): a cell (`launchers.job.CellJob`), the warm-start
+A job is a callable plus its arguments (`Task`): a cell (`launchers.run.jobs.CellJob`), the warm-start
 stage or the report stage. `submit` returns one `JobHandle` per task, in order; `poll` answers the
 state of many handles with ONE scheduler query (one `sacct` on SLURM, one look at the processes
 locally); `cancel` ends them with one call. Handles are plain data, kept in the sweep state, so that
@@ -9,8 +9,9 @@ locally); `cancel` ends them with one call. Handles are plain data, kept in the 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 # Job states as the driver sees them. ALIVE: the job may still run (or run again, after a requeue).
 PENDING, RUNNING, DONE, FAILED, CANCELLED, UNKNOWN = "pending", "running", "done", "failed", "cancelled", "unknown"
@@ -25,6 +26,7 @@ class Task:
     name: str  # a cell id, or a stage name
     fn: Callable[..., Any]
     args: tuple[Any, ...] = ()
+    ranks: int = 1  # processes that run fn (torch.distributed ranks): a cell's launcher world size; stages 1
 
 
 @dataclass(frozen=True)

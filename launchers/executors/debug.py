@@ -10,8 +10,8 @@ import itertools
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from launchers.executors.base import DONE, FAILED, UNKNOWN, JobHandle, Task
 

@@ -41,7 +41,8 @@ def test_pooled_recipe_curve_uses_all_runs_of_the_recipe():
 
 
 def test_align_fills_missing_steps_and_counts_seeds():
-    a = RunHistory("a", "a", "FINISHED", {"recipe": "bf16"}, {}, {"x": (np.array([0, 1, 2, 3]), np.array([1.0, 2, 3, 4]))})
+    a = RunHistory("a", "a", "FINISHED", {"recipe": "bf16"}, {},
+                   {"x": (np.array([0, 1, 2, 3]), np.array([1.0, 2, 3, 4]))})
     b = RunHistory("b", "b", "RUNNING", {"recipe": "bf16"}, {}, {"x": (np.array([0, 2]), np.array([3.0, 5.0]))})
     steps, values = align([a, b], "x")
     np.testing.assert_array_equal(steps, [0, 1, 2, 3])

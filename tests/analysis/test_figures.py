@@ -9,7 +9,7 @@ from matplotlib.colors import to_hex
 
 from analysis.aggregate import curves
 from analysis.fetch import SweepData
-from analysis.figures import (ACCEPTABLE, IS_STYLES, RECIPE_COLORS, accuracy_figure, make_figures, mismatch_figure)
+from analysis.figures import ACCEPTABLE, IS_STYLES, RECIPE_COLORS, accuracy_figure, make_figures, mismatch_figure
 from analysis.synthetic import synthetic_runs
 
 matplotlib.use("Agg")
@@ -39,8 +39,8 @@ def test_files_are_written(data, tmp_path):
 def test_figure1_one_curve_per_recipe_with_bands_and_acceptable_region(data):
     fig = mismatch_figure(data)
     ax = fig.axes[0]
-    lines = [l for l in ax.get_lines() if l.get_label() in RECIPE_COLORS]
-    assert [l.get_label() for l in lines] == ["bf16", "fp8_gen", "fp8_e2e"]
+    lines = [line for line in ax.get_lines() if line.get_label() in RECIPE_COLORS]
+    assert [line.get_label() for line in lines] == ["bf16", "fp8_gen", "fp8_e2e"]
     for line in lines:
         assert to_hex(line.get_color()) == RECIPE_COLORS[line.get_label()].lower()
     expected = {tuple(c.group.values()): c for c in curves(data, "token_mult_prob_error", by=("recipe",))}
@@ -48,7 +48,8 @@ def test_figure1_one_curve_per_recipe_with_bands_and_acceptable_region(data):
     bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
     assert len(bands) == 3
     span = [p for p in ax.patches if p.get_label().startswith("usual acceptable")]
-    (y0, y1) = sorted({round(v, 6) for v in span[0].get_path().transformed(span[0].get_patch_transform()).vertices[:, 1]})
+    corners = span[0].get_path().transformed(span[0].get_patch_transform()).vertices
+    (y0, y1) = sorted({round(v, 6) for v in corners[:, 1]})
     assert (y0, y1) == ACCEPTABLE
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[:3] == ["bf16", "fp8_gen", "fp8_e2e"] and any("1.03–1.05" in t for t in legend)
@@ -65,13 +66,13 @@ def test_figure2_one_curve_per_recipe_and_is(data):
     ax = fig.axes[0]
     lines = ax.get_lines()
     assert len(lines) == 6
-    labels = [l.get_label() for l in lines]
+    labels = [line.get_label() for line in lines]
     assert labels[:2] == ["bf16 · no IS", "bf16 · IS token"]
     for line in lines:
         recipe, isv = line.get_label().split(" · ")
         assert to_hex(line.get_color()) == RECIPE_COLORS[recipe].lower()
         assert line.get_linestyle() == {"no IS": "-", "IS token": "--"}[isv]
-    ys = np.concatenate([l.get_ydata() for l in lines])
+    ys = np.concatenate([line.get_ydata() for line in lines])
     assert 20 < ys.min() and ys.max() < 90  # fractions shown as %
     assert "%" in ax.get_ylabel() and ax.get_xlabel() == "RL step"
     assert "mean ± 95% CI (Student t over 3 seeds)" in _texts(fig)

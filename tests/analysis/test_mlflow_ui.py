@@ -1,6 +1,7 @@
 """Seen as a user sees it: the MLflow UI (real server, headless Chromium) shows the sweep's parent run
-with its child runs, and renders the report's figures. Screenshots land in the test's tmp_path
-(printed); `python scripts/mlflow_screenshot.py` makes the same ones under outputs/screenshots/."""
+with its child runs, renders the report's figures, and the report's link opens on the runs table
+(not MLflow 3's GenAI overview). Screenshots land in the test's tmp_path (printed);
+`python scripts/mlflow_screenshot.py` makes the same ones under outputs/screenshots/."""
 from __future__ import annotations
 
 import importlib.util
@@ -38,3 +39,28 @@ def test_parent_run_children_and_figures_in_the_ui(tmp_path):
     assert "Child runs" in dom["parent_run"] and len(shown) >= 8, shown  # the UI lists 10, then "Load more"
     for name, stem in (("figure1", "fig1_token_mult_prob_error"), ("figure2", "fig2_val_accuracy")):
         assert re.search(rf'<img[^>]*alt="report/{stem}.png"[^>]*src="blob:', dom[name]), f"{name} not rendered"
+    _check_landing(shots, tmp_path)
+
+
+GENAI_OVERVIEW = ("Detect Issues", "Token Usage", "Latency")  # widgets of MLflow's GenAI "Overview" page
+
+
+def _check_landing(shots, tmp_path):
+    """A fresh browser opened on the link the report gives (`ui_link`) lands on the runs table in the
+    "Model training" view. MLflow 3.17 picks the view from the browser (URL `workflowType`, else local
+    storage, default GenAI), not from the experiment's `mlflow.experimentKind` tag, which we set anyway
+    (it is what older MLflow 3 releases read): the bare experiment address still opens the GenAI overview."""
+    from mlflow import MlflowClient
+
+    from analysis.report import ui_link
+    from fp8rl_core.tracking.server import start_server
+
+    uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"
+    exp = MlflowClient(uri).get_experiment_by_name("fp8rl")
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    with start_server(uri, log_path=tmp_path / "landing-server.log") as server:
+        link = ui_link(server.url, exp.experiment_id)
+        png = shots.capture(shots.find_chromium(), link, tmp_path / "screenshots" / "landing.png")
+    dom = png.with_suffix(".html").read_text()
+    assert "ui-demo" in dom and "Runs" in dom, link  # the sweep's parent run in the runs table
+    assert not [w for w in GENAI_OVERVIEW if w in dom], link

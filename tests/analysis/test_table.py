@@ -20,7 +20,7 @@ def data() -> SweepData:
 def _truth(data, recipe, isv):
     members = [r for r in data.runs if r.tags["recipe"] == recipe and r.tags["importance_sampling"] == isv]
     final = np.array([r.metrics["val_accuracy"][1][-1] for r in members])
-    mism = np.array([r.metrics["token_mult_prob_error"][1].mean() for r in members])
+    mism = np.array([np.median(r.metrics["token_mult_prob_error"][1]) for r in members])  # median over steps
     half = lambda x: stats.t.ppf(0.975, len(x) - 1) * stats.sem(x)  # noqa: E731
     return {"final": final.mean(), "final_ci": half(final), "mm": mism.mean(), "mm_ci": half(mism),
             "isw": np.mean([r.metrics["is_weight_mean"][1].mean() for r in members]),

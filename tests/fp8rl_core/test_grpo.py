@@ -1,6 +1,6 @@
 """GRPO advantages, IS weights and the clipped policy loss against hand-written float64 references.
 
-The references below are plain-Python loops over the formulas of DESIGN.md (no call into the code
+The references below are plain-Python loops over the formulas of docs/design.md (no call into the code
 under test); tolerances are stated where float32 meets float64.
 """
 from __future__ import annotations
@@ -15,9 +15,17 @@ from hypothesis import strategies as st
 
 from fp8rl_core import grpo
 from fp8rl_core.config import ISVariant
-from fp8rl_core.grpo import (IS_VARIANTS, compute_importance, group_advantages, importance_stats,
-                             importance_weights, importance_weights_with_stats, k3_kl, masked_mean,
-                             policy_loss)
+from fp8rl_core.grpo import (
+    IS_VARIANTS,
+    compute_importance,
+    group_advantages,
+    importance_stats,
+    importance_weights,
+    importance_weights_with_stats,
+    k3_kl,
+    masked_mean,
+    policy_loss,
+)
 
 VARIANTS = ["none", "token", "tis", "icepop", "sequence"]
 FAST = settings(max_examples=40, deadline=None)
@@ -27,7 +35,7 @@ FAST = settings(max_examples=40, deadline=None)
 
 
 def ref_advantages(rows: list[list[float]]) -> list[list[float]]:
-    """Leave-one-out baseline and population std, written out per sample (DESIGN.md)."""
+    """Leave-one-out baseline and population std, written out per sample (docs/design.md)."""
     out = []
     for r in rows:
         g = len(r)

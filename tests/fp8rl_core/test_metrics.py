@@ -79,3 +79,16 @@ def test_masked_entropy():
     h2 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     assert masked_entropy(logits, mask) == pytest.approx((math.log(5) + 0.0 + h2) / 3, rel=1e-6)
     assert math.isnan(masked_entropy(logits, torch.zeros_like(mask)))
+
+
+def test_mismatch_stats_agree_with_the_diagnostics_catalogue():
+    from fp8rl_core.diagnostics import step_diagnostics
+
+    train, gen = -torch.rand(3, 5, dtype=torch.float64), -torch.rand(3, 5, dtype=torch.float64)
+    mask = torch.rand(3, 5) > 0.3
+    mask[0, 0] = True
+    s, c = mismatch_stats(train, gen, mask), step_diagnostics(train, gen, mask)
+    assert s["token_mult_prob_error"] == c["token_mult_prob_error"] == token_mult_prob_error(train, gen, mask)
+    assert s["logprob_abs_diff_max"] == c["logprob_abs_diff_max"]
+    assert s["gen_kl"] == pytest.approx(c["gen_kl_error"], rel=1e-12)  # NeMo RL's name for the same k3 mean
+    assert s["num_valid_tokens"] == c["num_valid_tokens"]

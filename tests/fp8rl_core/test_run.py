@@ -6,6 +6,7 @@ import pytest
 from fp8rl_core.config import load_run_config
 from fp8rl_core.run import run
 
+
 def _is_timing(key: str) -> bool:
     """Wall-clock metrics differ run to run; everything else must match bit for bit."""
     return key.endswith("time_s") or key.endswith("per_s")
@@ -75,3 +76,15 @@ def test_crash_between_checkpoints_resumes_without_duplicates(tmp_path, monkeypa
              if json.loads(x).get("kind") == "metrics"]
     assert sorted(steps) == sorted(set(steps)) == [0, 1, 2, 3, 4]
     assert _metrics(tmp_path / "crashed") == _metrics(tmp_path / "straight")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
+def test_reused_old_logprobs_equal_the_two_pass_run(tmp_path, recipe):
+    """micro_steps 1: taking the old log-probs from the training forward (one pass) instead of a separate
+    no-grad pass changes no metric of any step, bit for bit (same weights, same kernels on this CPU)."""
+    extra = [f"recipe={recipe}", "loss.importance_sampling=tis", "optim.micro_steps=1"]
+    run(_tiny(tmp_path, "one_pass", *extra, "train.reuse_old_logprobs=true"), progress=False)
+    run(_tiny(tmp_path, "two_pass", *extra, "train.reuse_old_logprobs=false"), progress=False)
+    a, b = _metrics(tmp_path / "one_pass"), _metrics(tmp_path / "two_pass")
+    assert sorted(a) == [0, 1, 2, 3, 4] and a == b

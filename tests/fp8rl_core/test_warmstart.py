@@ -68,11 +68,11 @@ def test_dev_prompts_are_fixed_and_never_validation_prompts():
 def test_dev_accuracy_counts_exact_greedy_answers(tmp_path):
     # an untrained model answers (almost) nothing right; the same examples with answers replaced by
     # the model's own greedy outputs score 1.0 -- so the function scores what the model decodes
+    from fp8rl_core.engines.base import SamplingParams
     from fp8rl_core.engines.native_gen import NativeGenerationEngine
     from fp8rl_core.model import build_model
     from fp8rl_core.model.config import preset
     from fp8rl_core.tasks import Example
-    from fp8rl_core.engines.base import SamplingParams
 
     cfg = load_run_config(None, ["task.val_size=8", "rollout.max_new_tokens=4"])
     tok, task = load_tokenizer(cfg), make_task(cfg.task)

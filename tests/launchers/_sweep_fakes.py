@@ -15,11 +15,12 @@ import math
 import shutil
 import tempfile
 import textwrap
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from launchers.executors.base import CANCELLED, DONE, FAILED, PENDING, RUNNING, UNKNOWN, JobHandle, Task
-from launchers.job import CellJob
+from launchers.run.jobs import CellJob
 
 
 def fake_accuracy(lr: float) -> float:
@@ -87,7 +88,7 @@ class FakeScheduler:
         self.submits: list[tuple[list[str], str | None]] = []  # (task names, dependency) per sbatch
         self.polls: list[int] = []  # number of handles per poll call
         self.cancels: list[list[str]] = []
-        self.on_poll: Callable[["FakeScheduler"], None] | None = None
+        self.on_poll: Callable[[FakeScheduler], None] | None = None
         self.fail_names: set[str] = set()  # tasks of these names fail without running
         self._ids = itertools.count(100)
 

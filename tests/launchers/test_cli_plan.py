@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from launchers import cli
-from launchers.grid import expand_grid
-from launchers.plan import action_for, render_plan
-from launchers.sbatch_preview import render_sbatch, slurm_submission
-from launchers.sweep_file import load_sweep, load_sweep_text
+from launchers.executors.slurm.sbatch import render_sbatch, slurm_submission
+from launchers.plan.grid import expand_grid
+from launchers.plan.render import action_for, render_plan
+from launchers.spec.loading import load_sweep, load_sweep_text
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -133,7 +133,7 @@ def test_long_tables_are_cut_unless_all(tmp_path, capsys):
     out = run_cli(["plan", str(path)], capsys)[1]
     assert "... and 50 more cells" in out and "cells: 250" in out
     out = run_cli(["plan", str(path), "--all"], capsys)[1]
-    assert "more cells" not in out and len([l for l in out.splitlines() if l.endswith("new    run")]) == 250
+    assert "more cells" not in out and len([ln for ln in out.splitlines() if ln.endswith("new    run")]) == 250
 
 
 def test_search_plan_lists_params_and_trials(capsys):

@@ -1,4 +1,4 @@
-"""`sweep run` (launchers/driver.py): idempotence, retries, waiting on live jobs, stages, safety.
+"""`sweep run` (launchers/run/driver.py): idempotence, retries, waiting on live jobs, stages, safety.
 
 Cells are `_sweep_fakes.fake_run` (a few logged steps through the real run sink), MLflow is a real
 SQLite store in tmp_path, and the scheduler is the debug executor or `FakeScheduler`.
@@ -6,6 +6,7 @@ SQLite store in tmp_path, and the scheduler is the debug executor or `FakeSchedu
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -13,13 +14,14 @@ import pytest
 from _sweep_fakes import FakeScheduler, fake_run, tiny_core_base, write_sweep
 from mlflow import MlflowClient
 
-from launchers import survey
-from launchers.driver import job_config, run_sweep, supersede_outputs
-from launchers.grid import expand
-from launchers.job import ERROR_TAG, CellJob
-from launchers.spec import SweepError
-from launchers.state import Attempt, CellRecord, DriverLock, load_state
-from launchers.sweep_file import load_sweep
+from fp8rl_core.tracking.runs import ERROR_TAG
+from launchers.plan import rules
+from launchers.plan.grid import expand
+from launchers.run.driver import job_config, run_sweep, supersede_outputs
+from launchers.run.jobs import CellJob
+from launchers.run.state import Attempt, CellRecord, DriverLock, load_state
+from launchers.spec.loading import load_sweep
+from launchers.spec.schema import SweepError
 
 SWEEP = """\
 experiment: drv
@@ -178,10 +180,10 @@ def test_a_failed_warm_start_job_is_reported(cwd):
 
 
 def test_local_warm_start_runs_before_any_cell(cwd, monkeypatch):
-    import launchers.driver as driver
+    import launchers.run.context as context
 
     events = []
-    monkeypatch.setattr(driver, "warm_start_stage", lambda configs: events.append(("warm", len(configs))))
+    monkeypatch.setattr(context, "warm_start_stage", lambda configs: events.append(("warm", len(configs))))
     fake = FakeScheduler(kind="debug", delay=0)
     real_submit = fake.submit
     monkeypatch.setattr(fake, "submit", lambda tasks, dep=None: events.append(("submit", len(tasks))) or
@@ -210,7 +212,7 @@ def test_a_second_driver_is_refused(cwd):
 ])
 def test_decide(mlflow, outcomes, job, retries, action):
     rec = CellRecord("r", [Attempt(str(i), "slurm", 0.0, outcome=o) for i, o in enumerate(outcomes)])
-    assert survey.decide(mlflow, rec, job, retries) == action
+    assert rules.decide(mlflow, rec, job, retries) == action
 
 
 def test_cell_job_fails_its_run_when_the_cell_cannot_start(cwd):
@@ -289,16 +291,29 @@ def test_local_end_to_end_with_the_real_core_and_the_report(cwd, capsys):
     assert "warm start: done" in out and "2/2 cells finished" in out
     sweep = load_sweep(path)
     client = MlflowClient(sweep.tracking_uri())
+    from fp8rl_core.tracking import CELL_TAGS, CONTRACT_METRICS, TAG_ROLE
+
     for run in runs(sweep.tracking_uri(), "tiny").values():
         assert run.info.status == "FINISHED"
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "token_mult_prob_error")) == [1, 2]
+        # the MLflow contract (fp8rl_core/tracking/__init__.py, docs/design.md): what the real core logs covers it
+        assert set(CONTRACT_METRICS) <= set(run.data.metrics), sorted(set(CONTRACT_METRICS) - set(run.data.metrics))
+        assert set(CELL_TAGS) <= set(run.data.tags) and run.data.tags[TAG_ROLE] == "cell"
+        # the worst-token table of every child run is there to open from a spike (issue 15)
+        table = [a.path for a in client.list_artifacts(run.info.run_id, "diagnostics")]
+        assert "diagnostics/worst_tokens.jsonl" in table, table
     parent = load_state(sweep.folder).parent_run_id
     assert client.get_run(parent).info.status == "FINISHED"
     artifacts = [a.path for a in client.list_artifacts(parent, "report")]
     assert "report/report.md" in artifacts and (sweep.folder / "report" / "report.md").exists()
     assert main(["run", str(path)]) == 0 and "2 skip" in capsys.readouterr().out
     assert main(["report", str(path), "--out", str(cwd / "again")]) == 0
-    assert f"report: {cwd / 'again' / 'report.md'}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"report: {cwd / 'again' / 'report.md'}" in printed
+    assert printed.startswith("Claims (4): 1 ") and "-- claim 4:" in printed  # the verdicts, in the terminal
+    assert main(["report", str(path), "--out", str(cwd / "again"), "--json"]) == 0
+    verdicts = json.loads(capsys.readouterr().out)
+    assert [c["number"] for c in verdicts["claims"]] == [1, 2, 3, 4], verdicts
 
 
 @pytest.mark.slow
@@ -318,7 +333,8 @@ def test_sweep_server_on_loopback_and_a_sweep_logging_over_http(cwd):
         first = proc.stdout.readline()
         assert first.startswith(f"MLflow server at http://127.0.0.1:{port} "), first + proc.stdout.read()
         url = f"http://127.0.0.1:{port}"
-        sweep = load_sweep(write_sweep(cwd, SWEEP.replace("sqlite:///mlflow.db", url).replace("[0.001, 0.9]", "[0.001]")))
+        body = SWEEP.replace("sqlite:///mlflow.db", url).replace("[0.001, 0.9]", "[0.001]")
+        sweep = load_sweep(write_sweep(cwd, body))
         assert go(sweep)[0] == 0
         assert {r.info.status for r in runs(url).values()} == {"FINISHED"} and len(runs(url)) == 2
     finally:

@@ -18,7 +18,7 @@ from launchers.executors import CANCELLED, DONE, FAILED, PENDING, RUNNING, UNKNO
 from launchers.executors.debug import DebugExecutor
 from launchers.executors.local import LocalExecutor, controller_alive
 from launchers.executors.slurm import SlurmExecutor, parse_sacct
-from launchers.sbatch_preview import SlurmSubmission
+from launchers.executors.slurm.sbatch import SlurmSubmission
 
 # Test modules are not importable inside local jobs (rootdir-based collection): ship by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -140,7 +140,7 @@ def test_local_executor_limits_concurrency_polls_and_cancels(tmp_path):
 
 
 def test_make_executor_by_kind(tmp_path, monkeypatch):
-    from launchers.sweep_file import load_sweep_text
+    from launchers.spec.loading import load_sweep_text
 
     text = "experiment: e\ngrid: {seed: [0]}\nlauncher: {kind: %s, max_parallel: 3}\n"
     for kind, cls in (("local", LocalExecutor), ("debug", DebugExecutor), ("slurm", SlurmExecutor)):

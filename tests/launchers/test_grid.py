@@ -11,18 +11,17 @@ import itertools
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import yaml
-
 from fp8rl_core.config import run_config_from_dict, run_config_hash
 from fp8rl_core.schema import set_dotted, to_dict
-from launchers import grid
-from launchers.cells import cell_run_config, cell_tags
-from launchers.grid import cell_for, expand, expand_grid
-from launchers.spec import SweepError
-from launchers.sweep_file import load_sweep_text
+from launchers.plan import grid
+from launchers.plan.cells import cell_run_config, cell_tags
+from launchers.plan.grid import cell_for, expand, expand_grid
+from launchers.spec.loading import load_sweep_text
+from launchers.spec.schema import SweepError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +109,8 @@ def test_zip_varies_keys_together():
 
 
 def test_exclusions_single_values_and_any_of():
-    text = STUDY + "exclude:\n  - {recipe: bf16, loss.importance_sampling: token}\n  - {recipe: [fp8_gen, fp8_e2e], seed: 1}\n"
+    text = (STUDY + "exclude:\n  - {recipe: bf16, loss.importance_sampling: token}\n"
+            "  - {recipe: [fp8_gen, fp8_e2e], seed: 1}\n")
     exp = expand_grid(sweep_of(text))
     kept = {tuple(c.params.values()) for c in exp.cells}
     expected = {(r, i, s) for r, i, s in itertools.product(["bf16", "fp8_gen", "fp8_e2e"], ["none", "token"], [0, 1])
@@ -119,21 +119,24 @@ def test_exclusions_single_values_and_any_of():
 
 
 def test_exclusion_on_a_list_field_matches_the_whole_list():
-    text = "experiment: t\ngrid:\n  task.operators: [['+'], ['+', '-'], ['*']]\nexclude:\n  - {task.operators: ['+', '-']}\n"
+    text = ("experiment: t\ngrid:\n  task.operators: [['+'], ['+', '-'], ['*']]\n"
+            "exclude:\n  - {task.operators: ['+', '-']}\n")
     assert [c.params["task.operators"] for c in expand(sweep_of(text))] == [["+"], ["*"]]
     any_of = text.replace("{task.operators: ['+', '-']}", "{task.operators: [['+'], ['*']]}")
     assert [c.params["task.operators"] for c in expand(sweep_of(any_of))] == [["+", "-"]]
 
 
 def test_exclusion_keys_inside_zip_groups():
-    text = "experiment: t\ngrid: {seed: [0, 1]}\nzip:\n  - {optim.lr: [1e-4, 3e-4], train.steps: [10, 20]}\nexclude:\n  - {train.steps: 20, seed: 1}\n"
+    text = ("experiment: t\ngrid: {seed: [0, 1]}\nzip:\n  - {optim.lr: [1e-4, 3e-4], train.steps: [10, 20]}\n"
+            "exclude:\n  - {train.steps: 20, seed: 1}\n")
     cells = expand(sweep_of(text))
     assert sorted((c.params["seed"], c.params["train.steps"]) for c in cells) == [(0, 10), (0, 20), (1, 10)]
 
 
 def test_combination_errors_name_the_cell_and_line():
     text = "experiment: t\ngrid:\n  task.min_digits: [1, 2]\n  task.digits: [1, 3]\n"
-    with pytest.raises(SweepError, match=r"t.yaml:4: grid.task.digits: .*in the cell \{task.min_digits: 2, task.digits: 1\}"):
+    where = r"t.yaml:4: grid.task.digits: .*in the cell \{task.min_digits: 2, task.digits: 1\}"
+    with pytest.raises(SweepError, match=where):
         expand(sweep_of(text))
 
 

@@ -1,4 +1,4 @@
-"""The generated sweep-file reference: README.md is up to date, every schema field is in it, and the
+"""The generated sweep-file reference: docs/sweep-reference.md is up to date, every schema field is in it, and the
 generator reads types, defaults and comments as written (checked on a small dataclass of our own)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from fp8rl_core.config import RunConfig
 from launchers import reference
 from launchers.reference import END, START, Row, Section
-from launchers.spec import SweepSpec
+from launchers.spec.schema import SweepSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,8 +43,8 @@ class _Synthetic:
 
 
 def test_readme_reference_is_up_to_date():
-    diff = reference.check(REPO / "README.md")
-    assert not diff, f"README.md's sweep-file reference is stale; run: {reference.REGENERATE}\n{diff}"
+    diff = reference.check(REPO / "docs" / "sweep-reference.md")
+    assert not diff, f"docs/sweep-reference.md is stale; run: {reference.REGENERATE}\n{diff}"
 
 
 def _schema_keys(cls: type, prefix: str = "") -> list[str]:
@@ -80,7 +80,7 @@ def test_every_schema_field_has_one_row():
 def test_every_schema_field_has_a_comment():
     missing = [f"{s.key or '<top>'}: {r.key}" for root in (SweepSpec, RunConfig)
                for s in reference.sections(root) for r in s.rows if not r.meaning]
-    assert not missing, "add a trailing `# comment` to these fields (then regenerate README.md):\n" + \
+    assert not missing, "add a trailing `# comment` to these fields (then regenerate docs/sweep-reference.md):\n" + \
         "\n".join(missing)
 
 

@@ -1,4 +1,4 @@
-"""Optuna search (launchers/search.py): trials run as cells, values come from MLflow, failures retry,
+"""Optuna search (launchers/run/search.py): trials run as cells, values come from MLflow, failures retry,
 the journal-file study resumes.
 
 The cell is `_sweep_fakes.fake_run`, whose val_accuracy is fake_accuracy(lr): each trial's value is
@@ -14,9 +14,9 @@ import pytest
 from _sweep_fakes import FakeScheduler, fake_accuracy, fake_run, write_sweep
 from mlflow import MlflowClient
 
-from launchers.search import CELL_ATTR, TRIAL_TAG, load_study, open_storage, run_search
-from launchers.state import load_state
-from launchers.sweep_file import load_sweep
+from launchers.run.search import CELL_ATTR, TRIAL_TAG, load_study, open_storage, run_search
+from launchers.run.state import load_state
+from launchers.spec.loading import load_sweep
 
 SEARCH = """\
 experiment: srch
@@ -90,6 +90,19 @@ def test_failed_trials_are_retried_then_failed(cwd):
     assert outcomes == {0.001: ["failed", "finished"], 0.9: ["failed", "failed"]}
     assert "impossible lr 0.9" in text
 
+    # --retry-failed, as for a grid: the failed trial's cell runs again (its failures forgiven)
+    import dataclasses
+
+    def fixed(cfg):  # the cell's bug is fixed: it now finishes
+        return fake_run(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=0.001)))
+
+    assert go(sweep, run_fn=fixed)[0] == 1  # without the flag: nothing re-runs
+    rc, text = go(sweep, run_fn=fixed, retry_failed=True)
+    assert rc == 0, text
+    assert "retrying 1 failed trial(s)" in text
+    by_state = [(t.params["optim.lr"], t.state) for t in load_study(sweep).trials]
+    assert (0.9, optuna.trial.TrialState.COMPLETE) in by_state
+
 
 def test_storage_is_a_journal_file_or_the_given_url(tmp_path):
     assert open_storage("postgresql://u@h/db") == "postgresql://u@h/db"
@@ -103,7 +116,7 @@ def test_storage_is_a_journal_file_or_the_given_url(tmp_path):
 
 
 def test_search_status_lists_the_trials(cwd):
-    from launchers.status import collect
+    from launchers.run.status import collect
 
     sweep = load_sweep(write_sweep(cwd, SEARCH.replace("n_trials: 4", "n_trials: 2")))
     assert go(sweep)[0] == 0

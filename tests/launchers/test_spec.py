@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fp8rl_core.schema import ConfigError
-from launchers.grid import expand_grid
-from launchers.sbatch_preview import slurm_submission
-from launchers.spec import SweepError, slurm_minutes
-from launchers.sweep_file import load_sweep, load_sweep_text
+from launchers.executors.slurm.sbatch import slurm_submission
+from launchers.plan.grid import expand_grid
+from launchers.spec.loading import load_sweep, load_sweep_text
+from launchers.spec.schema import SweepError, slurm_minutes
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -21,7 +21,10 @@ GRID = "experiment: t\ngrid:\n  recipe: [bf16, fp8_e2e]\n  seed: [0, 1]\n"
 
 
 def load_and_expand(path_or_text, **kw):
-    sweep = load_sweep(path_or_text, **kw) if isinstance(path_or_text, Path) else load_sweep_text(path_or_text, "t.yaml", **kw)
+    if isinstance(path_or_text, Path):
+        sweep = load_sweep(path_or_text, **kw)
+    else:
+        sweep = load_sweep_text(path_or_text, "t.yaml", **kw)
     return sweep, (expand_grid(sweep).cells if sweep.spec.search is None else [])
 
 
@@ -179,12 +182,12 @@ def test_slurm_parameter_names_are_submitits():
 def test_optuna_distributions_match_the_params():
     from optuna.distributions import FloatDistribution
 
-    from launchers.search_space import optuna_distributions, storage_location
+    from launchers.spec.search_space import optuna_distributions
 
     sweep = load_sweep(REPO / "sweeps" / "lr_search.yaml", cwd=Path("/work"))
     dists = optuna_distributions(sweep.spec.search)
     assert dists["optim.lr"] == FloatDistribution(1e-5, 1e-3, log=True)
-    assert storage_location(sweep) == "/work/outputs/lr_search/optuna.journal"
+    assert sweep.study_storage() == "/work/outputs/lr_search/optuna.journal"
 
 
 # ---- fuzzing: whatever the YAML, loading ends in a value or a clean ConfigError ----
@@ -250,3 +253,53 @@ def test_fuzz_mutations_of_the_smoke_sweep(edits):
             node = node.setdefault(part, {}) if isinstance(node.get(part), dict) or part not in node else {}
         node[parts[-1]] = value
     _only_config_errors(yaml.safe_dump(data))
+
+
+def test_one_yaml_dialect_for_run_configs_and_sweep_files(tmp_path):
+    """`fp8rl-train cfg.yaml` and a sweep's base_config read the same file the same way (fp8rl_core.yaml_io)."""
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.schema import ConfigError
+    from fp8rl_core.yaml_io import load_mapping_file
+
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(ConfigError) as run_err:
+        load_run_config(dup)
+    assert str(run_err.value) == f"{dup}:3: train.steps: duplicate key (first on line 2)"  # its real key, not `yaml`
+    (tmp_path / "s.yaml").write_text("experiment: t\nbase_config: dup.yaml\ngrid: {seed: [0, 1]}\n")
+    with pytest.raises(SweepError) as sweep_err:
+        load_sweep(tmp_path / "s.yaml")
+    text = str(sweep_err.value)
+    assert "train.steps: duplicate key (first on line 2)" in text and ": yaml:" not in text
+    (tmp_path / "t.yaml").write_text("tracking: {tags: {limit: 4:00:00}}\n")
+    assert load_mapping_file(tmp_path / "t.yaml") == {"tracking": {"tags": {"limit": "4:00:00"}}}  # not 14400
+    assert load_run_config(tmp_path / "t.yaml", ["tracking.tags.limit=4:00:00"]).tracking.tags["limit"] == "4:00:00"
+
+
+@pytest.mark.parametrize("seeds, expected", [("3", [0, 1, 2]), ("[7, 2]", [7, 2])])
+def test_seeds_replicate_every_cell_and_vary_fastest(seeds, expected):
+    sweep, cells = load_and_expand(f"experiment: t\ngrid:\n  recipe: [bf16, fp8_e2e]\nseeds: {seeds}\n")
+    assert [(c.config.recipe, c.config.seed) for c in cells] == [(r, s) for r in ("bf16", "fp8_e2e") for s in expected]
+    written, _ = load_and_expand(f"experiment: t\ngrid:\n  recipe: [bf16, fp8_e2e]\n  seed: {expected}\n")
+    assert [c.id for c in cells] == [c.id for c in expand_grid(written).cells]  # the same cells, the same ids
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("grid:\n  seed: [0, 1]\nseeds: 2\n", "seeds: seed is also varied in grid"),
+    ("seeds: 0\n", "seeds: must be >= 1"),
+    ("seeds: [1, 1]\n", "seeds: expected a non-empty list of distinct seeds"),
+    ("seeds: 2\nanalysis: {equivalence_margin: -1}\n", "analysis.equivalence_margin"),
+    ("seeds: 2\nanalysis: {margin: 2}\n", "analysis.margin: unknown key"),
+])
+def test_bad_seeds_and_analysis_keys_name_the_key(text, fragment):
+    with pytest.raises(SweepError, match=fragment.replace("[", r"\[")) as e:
+        load_sweep_text("experiment: t\n" + text, "t.yaml")
+    assert "t.yaml:" in str(e.value)
+
+
+def test_seeds_alone_make_a_sweep_and_analysis_reaches_the_report_config():
+    from analysis.config import AnalysisConfig
+
+    sweep, cells = load_and_expand("experiment: t\nseeds: 2\nanalysis: {equivalence_margin: 3}\n")
+    assert [c.config.seed for c in cells] == [0, 1]
+    assert AnalysisConfig.from_dict(sweep.spec.analysis).equivalence_margin == 3.0

@@ -1,7 +1,7 @@
 """`sweep status`, `sweep cancel`, `sweep plan`'s MLflow states, the sweep state file and progress.
 
 MLflow is a real SQLite store; the scheduler is `_sweep_fakes.FakeScheduler`, put in place of the
-executors that status/cancel would build (`launchers.cancel.make_executor`).
+executors that status/cancel would build (`launchers.executors.make_executor`).
 """
 from __future__ import annotations
 
@@ -17,15 +17,23 @@ import pytest
 from _sweep_fakes import FakeScheduler, fake_run, mlflow_db, tiny_core_base, write_sweep
 from mlflow import MlflowClient
 
-import launchers.cancel as cancel_mod
-from launchers.cancel import cancel_sweep, driver_pids, stop_drivers
-from launchers.driver import run_sweep
-from launchers.grid import expand
-from launchers.progress import cell_step, error_tail, eta_seconds
-from launchers.state import (Attempt, CellRecord, DriverBusy, DriverLock, SweepState, is_locked, load_state,
-                             save_state)
-from launchers.status import collect, render, sweep_status
-from launchers.sweep_file import load_sweep
+import launchers.executors
+from launchers.plan.grid import expand
+from launchers.run.cancel import cancel_sweep, driver_pids, stop_drivers
+from launchers.run.driver import run_sweep
+from launchers.run.progress import cell_step, error_tail, eta_seconds
+from launchers.run.state import (
+    Attempt,
+    CellRecord,
+    DriverBusy,
+    DriverLock,
+    SweepState,
+    is_locked,
+    load_state,
+    save_state,
+)
+from launchers.run.status import collect, render, sweep_status
+from launchers.spec.loading import load_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = """\
@@ -77,7 +85,7 @@ def test_status_shows_states_steps_and_the_error_of_the_failed_cell(cwd, capsys)
 def _detached(cwd: Path, fake: FakeScheduler, monkeypatch) -> object:
     mlflow_db(cwd / "mlflow.db")
     sweep = load_sweep(write_sweep(cwd, SWEEP.replace("kind: debug", "kind: slurm").replace("0.9]", "0.002]")))
-    monkeypatch.setattr(cancel_mod, "make_executor", lambda sweep, kind=None: fake)
+    monkeypatch.setattr(launchers.executors, "make_executor", lambda sweep, kind=None: fake)
     assert run_sweep(sweep, executor=fake, run_fn=fake_run, out=io.StringIO(), detach=True) == 0
     return sweep
 
@@ -115,7 +123,7 @@ def test_cancel_stops_the_driver_first(cwd):
     sweep = load_sweep(write_sweep(cwd, SWEEP))
     sweep.folder.mkdir(parents=True)
     # A stand-in driver: it holds the sweep's lock, and its argv names launchers.
-    code = ("import sys, time; from pathlib import Path; from launchers.state import DriverLock\n"
+    code = ("import sys, time; from pathlib import Path; from launchers.run.state import DriverLock\n"
             "with DriverLock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code, str(sweep.folder), "launchers.cli"], stdout=subprocess.PIPE)
     try:

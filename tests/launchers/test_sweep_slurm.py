@@ -19,14 +19,14 @@ from mlflow import MlflowClient
 
 from fp8rl_core.hold import ENV_VAR as HOLD_VAR
 from launchers.cli import main as sweep_main
-from launchers.driver import run_sweep
 from launchers.executors.slurm import SlurmExecutor
-from launchers.grid import expand
-from launchers.progress import cell_step
-from launchers.sbatch_preview import slurm_submission
-from launchers.state import load_state
-from launchers.status import collect
-from launchers.sweep_file import load_sweep
+from launchers.executors.slurm.sbatch import slurm_submission
+from launchers.plan.grid import expand
+from launchers.run.driver import run_sweep
+from launchers.run.progress import cell_step
+from launchers.run.state import load_state
+from launchers.run.status import collect
+from launchers.spec.loading import load_sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -160,7 +160,8 @@ def test_a_deleted_run_reruns_only_its_cell(base):
 
 def hold_cells_after(monkeypatch, root: Path, step: int) -> Path:
     """Every run started from here on stops after `step` (logged and checkpointed) until the returned
-    file exists (fp8rl_core/hold.py): the test acts on cells in flight however fast the machine is."""
+    file exists (fp8rl_core/hold.py): the test acts on cells in flight however fast the machine is.
+    A run resumed from that step's checkpoint starts after it, so it never waits."""
     release = root / f"release-{time.monotonic_ns()}"
     monkeypatch.setenv(HOLD_VAR, f"{step}:{release}")  # sbatch exports it to the jobs
     return release
@@ -172,7 +173,7 @@ def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling
 
     steps, held = 40, 2  # each cell is held after step 2 until the requeue has reached it
     sweep = make_sweep(root, "requeue", "  seed: [0, 1]", steps=steps, val_every=10)
-    release = hold_cells_after(monkeypatch, root, held)
+    hold_cells_after(monkeypatch, root, held)
     rc, _ = go(sweep, detach=True)
     assert rc == 0
     cells = expand(sweep)
@@ -184,7 +185,7 @@ def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling
     assert [cell_step(d).step for d in dirs.values()] == [held, held], "a held cell went on"
     subprocess.run(["scontrol", "requeue", jobs[a.id]], check=True, timeout=30)  # SIGTERM, then a restart
     submitit.SlurmJob(sweep.folder / "jobs" / "%j", jobs[b.id])._interrupt()  # preemption: USR2 -> checkpoint()
-    release.touch()  # the restarted jobs resume after step 2 and never reach the hold again
+    # never released: the first attempts die held at step 2; the restarted ones resume after it and go on
     rc, text = go(sweep)  # a driver that waits for the requeued jobs
     assert rc == 0, text
     client = MlflowClient(sweep.tracking_uri())

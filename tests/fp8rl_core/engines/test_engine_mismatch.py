@@ -2,7 +2,7 @@
 
 Same weights, same sampled tokens: the training engine re-scores what the generation engine sampled.
 BF16 must show a small but real mismatch (> 1: the engines are not the same code), FP8 end to end
-more, and FP8 generation against BF16 training the most (DESIGN.md, the seed's Figure 1 ordering).
+more, and FP8 generation against BF16 training the most (docs/design.md, the seed's Figure 1 ordering).
 """
 import pytest
 import torch

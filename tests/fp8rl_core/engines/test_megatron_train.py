@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train_batches import B, T, make_batch
 
 from fp8rl_core.config import run_config_from_dict
-from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.megatron_convert import hf_to_megatron, load_megatron_state, megatron_to_hf
 from fp8rl_core.engines.megatron_train import (
     MegatronTrainingEngine,
@@ -36,7 +36,6 @@ from fp8rl_core.engines.megatron_train import (
 )
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.model import ModelConfig, build_model
-from _train_batches import B, PROMPT, T, make_batch
 
 LLAMA = ModelConfig(vocab_size=32, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0)

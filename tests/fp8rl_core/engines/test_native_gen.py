@@ -15,7 +15,6 @@ from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.model.config import ModelConfig
 
-
 SMALL = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
 PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 4, 4, 8, 15, 16, 23, 42]]
@@ -101,6 +100,7 @@ def test_kv_cache_decode_logits_equal_full_sequence_logits():
     """White-box: prefill into the cache, teacher-force 6 tokens through the decode path, and compare
     every step's full logits vector with one prefill over the whole sequence (FP32, left padding)."""
     import torch.nn.functional as F
+
     from fp8rl_core.engines.kv_cache import KVCache
 
     cfg = ModelConfig(**SMALL)
@@ -422,7 +422,7 @@ def test_fp8_bf16_generation_is_finite_and_close_to_bf16():
         errors.append((out.logprobs[row] - lp.gather(-1, out.response_ids[row][:, None])[:, 0]).abs())
         fp8_lp = torch.log_softmax(fp8.logits(seq)[0, len(p) - 1:-1], -1)
         assert (lp.exp() - fp8_lp.exp()).abs().sum(-1).max() / 2 < 0.1  # total variation per position
-    # Stated loose tolerance: the token-mult-prob-error of FP8 generation vs BF16 scoring (DESIGN.md's
+    # Stated loose tolerance: the token-mult-prob-error of FP8 generation vs BF16 scoring (docs/design.md's
     # metric) lies in (1, 1.2); measured ~1.03-1.05 on this random model.
     tmpe = float(torch.cat(errors).exp().mean())
     assert 1.0 < tmpe < 1.2

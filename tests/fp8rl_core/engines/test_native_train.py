@@ -6,6 +6,7 @@ import io
 
 import pytest
 import torch
+from _train_batches import PROMPT, B, T, make_batch
 from torch import nn
 
 from fp8rl_core.config import Fp8Spec, LossSpec, OptimSpec
@@ -13,7 +14,6 @@ from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.fp8 import Fp8Linear
 from fp8rl_core.model import ModelConfig, build_model
-from _train_batches import B, PROMPT, T, make_batch
 
 CFG = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)

@@ -292,7 +292,7 @@ class FakeRunner:
 
 
 class FakeLLM:
-    instances: list["FakeLLM"] = []
+    instances: list[FakeLLM] = []
 
     def __init__(self, **kwargs):
         self.kwargs, self.reloads, self.resets, self.requests = kwargs, [], 0, []

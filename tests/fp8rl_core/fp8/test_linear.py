@@ -42,7 +42,8 @@ def run_layer(m, k, n, x_dtype, w_dtype, seed=0):
     return layer, x, dy, y
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
 @pytest.mark.parametrize("m,k,n", [(3, 200, 130), (260, 256, 384)])
 @pytest.mark.parametrize("executor", ["emulated", "emulated_blockwise"])
 def test_fwd_dgrad_wgrad_vs_float64(m, k, n, x_dtype, w_dtype, executor, monkeypatch):
@@ -106,7 +107,8 @@ def test_close_to_bf16_linear():
 
 
 def test_fp8_linear_matches_layer_forward_bit_exact():
-    for x_dtype, w_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+    for x_dtype, w_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                             (torch.float32, torch.float32)):
         torch.manual_seed(0)
         layer = Fp8Linear(300, 200, dtype=w_dtype)
         x = torch.randn(2, 7, 300, dtype=x_dtype)

@@ -15,7 +15,6 @@ from fp8rl_core.fp8 import dequantize_blockwise, quantize_blockwise
 from fp8rl_core.model import ModelConfig, build_model, load_pretrained, save_pretrained
 from fp8rl_core.model.hf_io import INDEX
 
-
 TOL = 1e-5
 TINY = dict(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)

@@ -11,7 +11,6 @@ import transformers
 from fp8rl_core.model import ModelConfig, build_model
 from fp8rl_core.model.llama import positions_and_mask
 
-
 CFG = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64)
 

@@ -36,7 +36,8 @@ def test_ships_everything_in_batches(sqlite_uri, tmp_path):
     run_id = _new_run(sqlite_uri)
     sink = MlflowSink(sqlite_uri, run_id, tmp_path / "m.jsonl", background=False)
     sizes = _spy_batches(sink)
-    expected = {k: [(s, 0.5 * s + i) for s in range(500)] for i, k in enumerate(("loss", "reward_mean", "is_weight_mean"))}
+    keys = ("loss", "reward_mean", "is_weight_mean")
+    expected = {k: [(s, 0.5 * s + i) for s in range(500)] for i, k in enumerate(keys)}
     for step in range(500):
         sink.log(step, {k: v[step][1] for k, v in expected.items()})
     sink.log_params({"optim": {"lr": 2e-4}, "seed": 3})
@@ -84,7 +85,8 @@ def test_requeued_run_continues_without_duplicates(sqlite_uri, tmp_path):
         sink.log(step, {"loss": 100.0 + step})
     assert sink.dropped == 3
     assert sink.close("FINISHED")
-    assert _history(sqlite_uri, run_id, "loss") == [(s, float(s)) for s in range(10)] + [(s, 100.0 + s) for s in range(10, 15)]
+    first = [(s, float(s)) for s in range(10)]
+    assert _history(sqlite_uri, run_id, "loss") == first + [(s, 100.0 + s) for s in range(10, 15)]
 
 
 def test_lost_offset_replays_without_duplicates(sqlite_uri, tmp_path):

@@ -9,8 +9,16 @@ import yaml
 from mlflow import MlflowClient
 
 from fp8rl_core.tracking import runs
-from fp8rl_core.tracking.runs import (cell_states, create_parent_run, ensure_experiment, find_or_create_cell_run,
-                                      finish_run, flatten_params, log_params, slurm_job_id)
+from fp8rl_core.tracking.runs import (
+    cell_states,
+    create_parent_run,
+    ensure_experiment,
+    find_or_create_cell_run,
+    finish_run,
+    flatten_params,
+    log_params,
+    slurm_job_id,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -54,7 +62,8 @@ def test_cell_runs_found_or_created(sqlite_uri):
     assert find_or_create_cell_run(sqlite_uri, exp, parent, "c0ffee", tags, cfg, cfg) == (run_id, "SCHEDULED")
     run = MlflowClient(sqlite_uri).get_run(run_id)
     assert run.data.tags["mlflow.parentRunId"] == parent and run.data.tags["cell_id"] == "c0ffee"
-    assert run.data.tags["sweep"] == "abl" and run.data.tags["seed"] == "0" and run.info.run_name == "bf16-none-s0-c0ffee"
+    assert run.data.tags["sweep"] == "abl" and run.data.tags["seed"] == "0"
+    assert run.info.run_name == "bf16-none-s0-c0ffee"
     assert run.data.params == {"recipe": "bf16", "loss.importance_sampling": "none", "seed": "0"}
     local = MlflowClient(sqlite_uri).download_artifacts(run_id, "config.yaml")
     assert yaml.safe_load(Path(local).read_text()) == cfg
@@ -119,3 +128,43 @@ def test_context_tags_include_slurm(monkeypatch):
 def test_quotes_in_names_are_refused(sqlite_uri):
     with pytest.raises(ValueError, match="sweep"):
         create_parent_run(sqlite_uri, "fp8rl", "it's")
+
+
+def test_ending_a_killed_run_first_ships_what_its_buffer_holds(sqlite_uri, tmp_path):
+    """A cell killed between two shipments: end_run(KILLED, buffer) puts every logged step in MLflow."""
+    from fp8rl_core.tracking.mlflow_sink import MlflowSink
+    from fp8rl_core.tracking.runs import end_run
+
+    exp = ensure_experiment(sqlite_uri, "fp8rl")
+    parent = create_parent_run(sqlite_uri, "fp8rl", "sw")
+    run_id, _ = find_or_create_cell_run(sqlite_uri, exp, parent, "c1")
+    buffer = tmp_path / "metrics.jsonl"
+    sink = MlflowSink(sqlite_uri, run_id, buffer, background=False)
+    for step in (1, 2):
+        sink.log(step, {"loss": 1.0 / step})
+    assert sink.flush(10.0)  # the first shipment
+    for step in (3, 4, 5):
+        sink.log(step, {"loss": 1.0 / step})
+    del sink  # SIGKILL: no close, steps 3-5 only in the buffer
+    client = MlflowClient(sqlite_uri)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2]
+    assert end_run(sqlite_uri, run_id, "KILLED", buffer_path=buffer)
+    assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3, 4, 5]
+    assert client.get_run(run_id).info.status == "KILLED"
+    assert not end_run(sqlite_uri, run_id, "FAILED", buffer_path=buffer)  # an ended run stays as it is
+    assert client.get_run(run_id).info.status == "KILLED"
+
+
+def test_end_run_ships_nothing_of_another_runs_buffer(sqlite_uri, tmp_path):
+    from fp8rl_core.tracking.mlflow_sink import MlflowSink
+    from fp8rl_core.tracking.runs import end_run
+
+    exp = ensure_experiment(sqlite_uri, "fp8rl")
+    parent = create_parent_run(sqlite_uri, "fp8rl", "sw")
+    a, _ = find_or_create_cell_run(sqlite_uri, exp, parent, "a")
+    b, _ = find_or_create_cell_run(sqlite_uri, exp, parent, "b")
+    sink = MlflowSink(sqlite_uri, a, tmp_path / "m.jsonl", background=False)
+    sink.log(1, {"loss": 1.0})
+    sink.close("FINISHED")
+    assert end_run(sqlite_uri, b, "KILLED", buffer_path=tmp_path / "m.jsonl")
+    assert MlflowClient(sqlite_uri).get_metric_history(b, "loss") == []

@@ -44,7 +44,8 @@ def test_database_locked_is_retried(sqlite_uri, tmp_path):
     def flaky(*args, **kwargs):
         if failures[0]:
             failures[0] -= 1
-            raise MlflowException("(sqlite3.OperationalError) database is locked", error_code=2)  # TEMPORARILY_UNAVAILABLE
+            # error_code 2: TEMPORARILY_UNAVAILABLE
+            raise MlflowException("(sqlite3.OperationalError) database is locked", error_code=2)
         return real(*args, **kwargs)
 
     sink.client.log_batch = flaky

@@ -1,0 +1,150 @@
+"""Scaling of one cell over ranks on this machine: tokens/s and peak memory per rank at world size 1 and 2.
+
+    python benchmarks/scaling.py                        # tiny + hidden 1024, bf16 + fp8_e2e, W = 1, 2
+    python benchmarks/scaling.py --models tiny --recipes bf16 --steps 3
+
+Each cell is a real `torchrun --standalone --nproc-per-node W -m fp8rl_core.cli` run (one thread per
+rank) from a random-init model folder (no warm start). Reported per row:
+  tokens/s     median over steps 2.. of the run's `tokens_per_s` (global: all ranks' response tokens
+               per second of step wall time); efficiency = tokens/s(W) / (W x tokens/s(1))
+  peak_rss     the largest rank's peak RSS (ru_maxrss of torchrun's children), MiB
+  param+optim  bytes of this rank's parameters + AdamW states after one step, measured on the
+               sharded trainer (FSDP2 at W > 1), and the memory plan's figure for the same
+Goals (issue 12): efficiency >= 0.8 at hidden 1024; param+optim(2) <= 0.6 x param+optim(1).
+A table, not a test: the numbers depend on the machine; only ratios measured in one run compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fp8rl_core.model.config import ModelConfig
+
+MODELS = {
+    "tiny": ModelConfig(),
+    "hidden1024": ModelConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                              num_key_value_heads=8),
+}
+ROLLOUT = ["rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16"]
+
+
+def model_folder(name: str, root: Path) -> Path:
+    """A random-init HF folder of MODELS[name] (the char tokenizer's 32-token vocabulary)."""
+    from fp8rl_core.model import build_model, save_pretrained
+
+    path = root / f"model_{name}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        save_pretrained(build_model(MODELS[name]), path)
+    return path
+
+
+def run_cell(model: Path, recipe: str, world: int, steps: int, out: Path) -> dict[str, float]:
+    """One torchrun run; its median tokens/s (steps 2..) and the largest rank's peak RSS in MiB."""
+    overrides = [f"model.path={model}", f"recipe={recipe}", f"output_dir={out}", f"train.steps={steps}",
+                 "train.val_every=100000", "train.val_samples=0", "task.val_size=4", "threads=1",
+                 "train.checkpoint_every=100000", *ROLLOUT]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "fp8rl_core.cli", "--no-progress", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    shutil.rmtree(out, ignore_errors=True)  # a finished run left here would only resume and exit
+    # a wrapper process per cell: RUSAGE_CHILDREN's max RSS is then this cell's largest rank, not the max
+    # over every cell run so far
+    wrapper = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL);"
+               " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", wrapper, *cmd], check=True, env=env, capture_output=True, text=True)
+    peak_kib = int(done.stdout.strip().splitlines()[-1])
+    rates = [rec["values"]["tokens_per_s"] for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if rec.get("kind") == "metrics" and rec["step"] >= 2 and "tokens_per_s" in rec["values"]]
+    return {"tokens_per_s": statistics.median(rates), "peak_rss_mib": peak_kib / 1024}
+
+
+def _state_bytes_worker(rank: int, world: int, port: int, name: str, out: str) -> None:
+    """This rank's parameter + AdamW bytes after one step of the (sharded) native trainer."""
+    import torch.distributed as dist
+
+    from fp8rl_core.distributed.mesh import SINGLE
+    from fp8rl_core.engines.base import TrainBatch
+    from fp8rl_core.engines.native_train import NativeTrainingEngine
+    from fp8rl_core.model import build_model
+
+    torch.set_num_threads(1)
+    mesh = SINGLE
+    if world > 1:
+        from fp8rl_core.distributed.env import _mesh
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        mesh = _mesh(rank, world, rank, "cpu")
+    torch.manual_seed(0)
+    eng = NativeTrainingEngine(build_model(MODELS[name]), mesh=mesh)
+    ids = torch.randint(3, 32, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    eng.train_step(TrainBatch(input_ids=ids, attention_mask=mask, response_mask=mask, advantages=torch.ones(2, 8)))
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()  # noqa: E731
+    n = sum(local(p) for p in eng.model.parameters())
+    n += sum(local(v) for st in eng.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim())
+    if rank == 0:
+        Path(out).write_text(str(n))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def state_bytes(name: str, world: int) -> int:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        out = os.path.join(tmp, "n")
+        mp.spawn(_state_bytes_worker, args=(world, port, name, out), nprocs=world, join=True)
+        return int(Path(out).read_text())
+
+
+def planned_state_bytes(name: str, world: int) -> int:
+    from fp8rl_core.memory_plan import Layout, plan_memory
+
+    plan = plan_memory(MODELS[name], Layout(world_size=world))
+    return plan.device["params"] + plan.device["optimizer"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_e2e"])
+    ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--workdir", default=None, help="where model folders and runs go (default: a temp folder)")
+    args = ap.parse_args(argv)
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="fp8rl-scaling-"))
+    print("| model | recipe | W | tokens/s | efficiency | peak RSS/rank MiB | param+optim/rank MiB (plan) |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models:
+        folder = model_folder(name, root)
+        states = {w: state_bytes(name, w) for w in args.worlds}
+        for recipe in args.recipes:
+            base = None
+            for w in args.worlds:
+                r = run_cell(folder, recipe, w, args.steps, root / f"run_{name}_{recipe}_{w}")
+                base = base or r["tokens_per_s"] / w
+                eff = r["tokens_per_s"] / (w * base)
+                print(f"| {name} | {recipe} | {w} | {r['tokens_per_s']:.0f} | {eff:.2f} | {r['peak_rss_mib']:.0f} | "
+                      f"{states[w] / 2**20:.1f} ({planned_state_bytes(name, w) / 2**20:.1f}) |", flush=True)
+        if len(args.worlds) > 1:
+            w0, w1 = args.worlds[0], args.worlds[1]
+            print(f"|  | param+optim ratio W={w1}/W={w0} | | | | | {states[w1] / states[w0]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

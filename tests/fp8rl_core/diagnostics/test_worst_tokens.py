@@ -1,0 +1,113 @@
+"""Worst-token tables (unit), and end to end: a tiny real run leaves the table and the explain report in MLflow."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fp8rl_core.diagnostics.tokens import append_rows, worst_tokens
+from fp8rl_core.model.tokenizer import char_tokenizer
+
+
+def _batch(tok):
+    rows = [tok.encode("12+3=") + tok.encode("15", add_bos=False) + [tok.eos_id],
+            tok.encode("7-4=") + tok.encode("3", add_bos=False) + [tok.eos_id]]
+    prompt_lens = [len(tok.encode("12+3=")), len(tok.encode("7-4="))]
+    T = max(map(len, rows))
+    ids = torch.full((2, T), tok.pad_id, dtype=torch.long)
+    am = torch.zeros(2, T, dtype=torch.bool)
+    rm = torch.zeros(2, T, dtype=torch.bool)
+    for b, (r, L) in enumerate(zip(rows, prompt_lens)):
+        ids[b, :len(r)] = torch.tensor(r)
+        am[b, :len(r)] = True
+        rm[b, L:len(r)] = True
+    gen = torch.where(rm, torch.full((2, T), -1.0), torch.zeros(2, T))
+    return ids, am, rm, gen, prompt_lens
+
+
+def test_worst_tokens_rank_by_abs_diff_with_text_and_both_logprobs():
+    tok = char_tokenizer()
+    ids, am, rm, gen, L = _batch(tok)
+    train = gen.clone()
+    train[0, L[0] + 1] = -4.0  # "5" of "15": 3 nats off
+    train[1, L[1]] = 0.5  # "3": 1.5 nats off
+    train[0, 0] = -99.0  # off-mask (a prompt token): never listed
+    w = torch.exp(train - gen) * rm
+    rows = worst_tokens(ids, am, rm, train, gen, w, tok, k=3, context_tokens=3, step=7)
+    assert [r["rank"] for r in rows] == [1, 2, 3]
+    top, second = rows[0], rows[1]
+    assert (top["row"], top["token"], top["prompt"], top["context"]) == (0, "5", "12+3=", "3=1")
+    assert top["train_logprob"] == -4.0 and top["gen_logprob"] == -1.0 and top["abs_diff"] == 3.0
+    assert top["is_weight"] == pytest.approx(math.exp(-3.0))
+    assert (second["row"], second["token"], second["abs_diff"]) == (1, "3", 1.5)
+    assert rows[2]["abs_diff"] == 0.0 and rows[2]["step"] == 7  # ties: first in flat order
+    assert worst_tokens(ids, am, torch.zeros_like(rm), train, gen, w, tok, 3, 3, 7) == []
+
+
+def test_non_finite_differences_rank_first_and_eos_is_named():
+    tok = char_tokenizer()
+    ids, am, rm, gen, L = _batch(tok)
+    train = gen.clone()
+    eos_pos = L[1] + 1
+    train[1, eos_pos] = float("nan")
+    rows = worst_tokens(ids, am, rm, train, gen, None, tok, k=1, context_tokens=2, step=1)
+    assert rows[0]["row"] == 1 and rows[0]["token"] == "<eos>" and rows[0]["is_weight"] == 1.0
+
+
+def test_append_rows_keeps_one_copy_of_recomputed_steps(tmp_path):
+    path = tmp_path / "t.jsonl"
+    for step in (1, 2, 3):
+        append_rows(path, step, [{"step": step, "rank": 1}])
+    append_rows(path, 2, [{"step": 2, "rank": 1, "again": True}])  # a resumed run redoes step 2 (and 3 next)
+    steps = [json.loads(x)["step"] for x in path.read_text().splitlines()]
+    assert steps == [1, 2]
+    with open(path, "a") as f:
+        f.write('{"step": 3, "ra')  # a kill mid-write
+    append_rows(path, 3, [{"step": 3, "rank": 1}])
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_explain_without_rollouts_says_what_is_missing(tmp_path, capsys):
+    from fp8rl_core.cli import main
+
+    assert main(["explain", str(tmp_path)]) == 2
+    assert "no replayable rollout" in capsys.readouterr().err
+    assert main(["explain", str(tmp_path), "--variants", "bf16,nope"]) == 2
+
+
+@pytest.mark.slow
+def test_tiny_run_logs_worst_tokens_and_explain_report_to_mlflow(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from fp8rl_core.cli import main
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.run import run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "run"
+    cfg = load_run_config(None, [
+        f"output_dir={out}", f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=10",
+        "warmstart.batch_size=16", "train.steps=3", "train.val_every=3", "train.checkpoint_every=2",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
+        "task.val_size=4", "threads=1", "recipe=fp8_gen", f"tracking.uri={uri}", "diagnostics.worst_tokens_k=3"])
+    metrics = run(cfg, progress=False)
+    assert "logprob_abs_diff_frac_gt_1" in metrics and "rollout_corr_chi2_token" in metrics
+    table = [json.loads(x) for x in (out / "diagnostics" / "worst_tokens.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in table}) == [1, 2, 3] and all(len(r["prompt"]) > 0 for r in table)
+    # rollouts next to the weights that generated them: step 1 (warm start) and 3 (checkpoint 2)
+    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_00000001.pt", "step_00000003.pt"]
+    client = MlflowClient(uri)
+    run_id = (out / "mlflow_run_id").read_text().strip()
+    assert "diagnostics/worst_tokens.jsonl" in [a.path for a in client.list_artifacts(run_id, "diagnostics")]
+
+    assert main(["explain", str(out), "--rows", "2", "--variants", "bf16,kernels,as_run"]) == 0
+    printed = capsys.readouterr().out
+    assert "| bf16 | 1.000000 |" in printed and "| kernels |" in printed
+    folder = out / "diagnostics" / "explain_step_00000003"
+    results = {v["name"]: v for v in json.loads((folder / "results.json").read_text())}
+    assert results["bf16"]["metrics"]["token_mult_prob_error"] == 1.0
+    assert len(results["kernels"]["layer_rel_err"]) == 4 and (folder / "per_layer.png").stat().st_size > 0
+    logged = [a.path for a in client.list_artifacts(run_id, "diagnostics/explain_step_00000003")]
+    assert {"report.md", "per_layer.png", "results.json"} <= {p.rsplit("/", 1)[1] for p in logged}

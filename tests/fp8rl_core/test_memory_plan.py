@@ -1,0 +1,169 @@
+"""Memory plan: refuses what cannot fit (naming the knobs), accepts a sharded 8B layout, counts parameters
+exactly, and its estimate is within 25% of the peak RSS a real step reaches on this CPU.
+
+The measurement runs in a fresh subprocess (this file run as a script), so that nothing this test
+process allocated or cached pollutes it: peak RSS (ru_maxrss) minus the RSS after imports and warm-up.
+"""
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+
+from fp8rl_core.memory_plan import GiB, Layout, check, count_parameters, layout_for_run, plan_for_run, plan_memory
+from fp8rl_core.model.config import ModelConfig
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+# The cluster study's step: 64 prompts x 32 samples, 4096 new tokens, a KL reference, vLLM generation.
+STUDY = dict(rows_per_step=64 * 32, prompt_tokens=512, max_new_tokens=4096, reference=True, device="cuda",
+             paged_kv=True)
+WIDE = ModelConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                   num_key_value_heads=8)
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))  # no weights: the config is enough
+    return tmp_path
+
+
+def test_llama8b_on_one_80gb_gpu_is_refused_naming_the_knobs(llama_dir):
+    plan = plan_memory(llama_dir / "config.json", Layout(world_size=1, **STUDY))
+    assert 8.0e9 < plan.params.total < 8.1e9  # Llama-3.1-8B: 8.03 B parameters
+    why = check(plan, 80 * GiB)
+    assert why is not None and "needs" in why
+    for knob in ("more ranks", "train.micro_batch_size", "parallel.cpu_offload", "parallel.activation_checkpointing"):
+        assert knob in why, why
+
+
+def test_llama8b_on_8_gpus_sharded_is_accepted(llama_dir):
+    layout = Layout(world_size=8, micro_batch_size=1, logprob_batch_size=1, activation_checkpointing=True, **STUDY)
+    plan = plan_memory(llama_dir, layout)
+    assert check(plan, 80 * GiB) is None, plan.table()
+    unsharded = plan_memory(llama_dir, Layout(world_size=1, micro_batch_size=1, logprob_batch_size=1,
+                                              activation_checkpointing=True, **STUDY))
+    # FP32 params + AdamW: 12 B/param, split 8 ways
+    assert plan.device["params"] + plan.device["optimizer"] == pytest.approx(
+        (unsharded.device["params"] + unsharded.device["optimizer"]) / 8, rel=1e-6)
+    assert check(unsharded, 80 * GiB) is not None
+
+
+def test_offload_moves_sharded_state_to_the_host(llama_dir):
+    base = Layout(world_size=8, micro_batch_size=1, logprob_batch_size=1, activation_checkpointing=True, **STUDY)
+    on, off = plan_memory(llama_dir, base), plan_memory(llama_dir, Layout(**{**asdict(base), "cpu_offload": True}))
+    assert "params" not in off.device and off.host["params"] == on.device["params"]
+    assert off.peak < on.peak
+
+
+def test_parameter_count_is_the_models():
+    from fp8rl_core.model import build_model
+
+    for cfg in (ModelConfig(), WIDE, ModelConfig(tie_word_embeddings=True)):
+        model = build_model(cfg)
+        p = count_parameters(cfg)
+        assert p.total == sum(x.numel() for x in model.parameters())
+        assert p.block == sum(x.numel() for x in model.model.layers[0].parameters())
+
+
+def test_layout_of_a_run_config_reads_its_keys():
+    from fp8rl_core.config import load_run_config
+
+    cfg = load_run_config(None, ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "recipe=fp8_e2e",
+                                 "rollout.max_new_tokens=7", "loss.kl_coef=0.1", "device=cpu"])
+    lay = layout_for_run(cfg, world_size=2, prompt_tokens=9)
+    assert (lay.rows_per_step, lay.max_new_tokens, lay.prompt_tokens, lay.world_size) == (8, 7, 9, 2)
+    assert lay.reference and lay.fp8_training and lay.fp8_generation and lay.device == "cpu"
+    assert plan_for_run(cfg, 2, 9).params.total == count_parameters(ModelConfig()).total
+
+
+# --- estimate vs measured -------------------------------------------------------------------------------
+
+CASES = {  # name: (model config, rows, prompt tokens, new tokens, recipe)
+    "tiny": (ModelConfig(), 64, 8, 24, "bf16"),
+    "tiny_fp8": (ModelConfig(), 64, 8, 24, "fp8_e2e"),
+    "hidden1024": (WIDE, 16, 8, 24, "bf16"),
+}
+
+
+def _probe(name: str) -> int:
+    """In this (fresh) process: one rank's GRPO step at world size 1 and its peak RSS growth in bytes.
+
+    A first pass on a one-layer model loads every code path (AdamW's imports, oneDNN, the engines),
+    so that one-time costs land in the baseline, not in the step.
+    """
+    import resource
+
+    import torch
+
+    cfg, rows, prompt, new, recipe = CASES[name]
+    torch.set_num_threads(1)
+    _step(ModelConfig(num_hidden_layers=1), 2, 4, 4, recipe)
+    base = _rss()
+    _step(cfg, rows, prompt, new, recipe)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+
+
+def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str) -> None:
+    """Refit, generate, old log-probs, two train steps (AdamW state exists in the second)."""
+    import torch
+
+    from fp8rl_core.engines.base import SamplingParams, TrainBatch
+    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+    from fp8rl_core.engines.native_train import NativeTrainingEngine
+    from fp8rl_core.model import build_model
+
+    fp8 = recipe == "fp8_e2e"
+    torch.manual_seed(0)
+    train = NativeTrainingEngine(build_model(cfg), fp8_training=fp8)
+    gen = NativeGenerationEngine(cfg, fp8=recipe != "bf16", dtype=torch.bfloat16, device="cpu", seed=0)
+    gen.refit(train.weights())
+    gen.generate(torch.randint(3, cfg.vocab_size, (rows, prompt)).tolist(),
+                 SamplingParams(max_new_tokens=new, temperature=1.0))
+    T = prompt + new
+    resp = torch.zeros(rows, T, dtype=torch.bool)
+    resp[:, prompt:] = True
+    batch = TrainBatch(input_ids=torch.randint(3, cfg.vocab_size, (rows, T)),
+                       attention_mask=torch.ones(rows, T, dtype=torch.bool), response_mask=resp,
+                       advantages=torch.randn(rows, 1).expand(rows, T).contiguous())
+    batch.old_logprobs = train.logprobs(batch)
+    for _ in range(2):
+        train.train_step(batch)
+
+
+def _rss() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _measure(name: str) -> int:
+    # glibc's mmap threshold pinned: freed tensors go back to the OS at once, so that RSS follows the
+    # bytes alive (its default adapts upwards and keeps freed blocks mapped, inflating RSS by up to 2x)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, check=True, timeout=900,
+                         env=env)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _estimate(name: str) -> int:
+    cfg, rows, prompt, new, recipe = CASES[name]
+    return plan_memory(cfg, Layout(world_size=1, rows_per_step=rows, prompt_tokens=prompt, max_new_tokens=new,
+                                   fp8_training=recipe == "fp8_e2e", fp8_generation=recipe != "bf16")).peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_estimate_within_25_percent_of_measured_peak(name):
+    measured, estimate = _measure(name), _estimate(name)
+    print(f"{name}: estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
+
+
+if __name__ == "__main__":
+    print(_probe(sys.argv[1]))
