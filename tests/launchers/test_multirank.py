@@ -277,3 +277,29 @@ def test_cancel_stops_every_process_of_a_two_rank_local_cell(tmp_path):
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, f"ranks still alive after cancel: {pids}"
         time.sleep(0.2)
+
+
+def smoke_ddp_one_cell(root: Path, *more: str):
+    """sweeps/smoke_ddp.yaml cut to one cell (fp8_e2e, token IS, seed 0), writing under `root`."""
+    return load_sweep(REPO / "sweeps" / "smoke_ddp.yaml", [
+        "grid.recipe=[fp8_e2e]", "grid.loss.importance_sampling=[token]", "seeds=1",
+        f"launcher.folder={root}/smoke_ddp", f"tracking.uri=sqlite:///{root}/mlflow.db",
+        f"base.warmstart.cache_dir={root}/ws", *more], cwd=root)
+
+
+def assert_smoke_ddp_finished(sweep) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(sweep.tracking_uri())
+    exp = client.get_experiment_by_name("smoke_ddp")
+    (run,) = client.search_runs([exp.experiment_id], "tags.`fp8rl.role` = 'cell'")
+    assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "token_mult_prob_error")) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_the_ddp_smoke_sweep_runs_locally(cwd):
+    sweep = smoke_ddp_one_cell(cwd)
+    out = io.StringIO()
+    assert run_sweep(sweep, out=out, poll_s=0.5, report=False) == 0, out.getvalue()
+    assert_smoke_ddp_finished(sweep)

@@ -192,3 +192,12 @@ def test_kill_9_of_one_rank_fails_the_job_within_the_timeout_and_sweep_run_retri
     first_err = next((sweep.folder / "jobs" / job).glob(f"{job}_0_log.err")).read_text()
     assert "RuntimeError" in first_err  # rank 0 raised (peer gone, or the collective timed out): no hang
     print(f"job {job} ended {ended_after:.0f}s after rank 1's kill -{signal.SIGKILL.value} (timeout {TIMEOUT_S}s)")
+
+
+def test_the_ddp_smoke_sweep_runs_on_slurm(root, slurm_cluster):
+    from test_multirank import assert_smoke_ddp_finished, smoke_ddp_one_cell
+
+    sweep = smoke_ddp_one_cell(root, "launcher=slurm")
+    rc, text = go(sweep)
+    assert rc == 0, text
+    assert_smoke_ddp_finished(sweep)
