@@ -40,18 +40,17 @@ while the other core is taken): compare `--threads 1` when the numbers look odd.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from generation import environment  # benchmarks/generation.py (this folder is on sys.path when run as a script)
 
 from fp8rl_core.builder import build_context, initial_checkpoint, load_tokenizer
 from fp8rl_core.config import RunConfig, load_run_config
@@ -74,15 +73,6 @@ def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
     return load_run_config(None, overrides)
 
 
-@contextlib.contextmanager
-def environment(env: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def time_ours(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str, Any]]:

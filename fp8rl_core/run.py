@@ -13,7 +13,6 @@ writes diagnostics; all ranks checkpoint. The world size is an MLflow tag (`worl
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from fp8rl_core.evaluate import validation_metrics
 from fp8rl_core.grpo_step import RunContext, grpo_step, sampling_params
 from fp8rl_core.hold import hold_after
 from fp8rl_core.schema import flatten, to_dict
-from fp8rl_core.tracking.sink import make_run_sink
+from fp8rl_core.tracking.sink import NullSink, make_run_sink
 
 
 class RunFailed(RuntimeError):
@@ -121,21 +120,6 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
     finally:
         shutdown(ctx.mesh)
 
-
-class NullSink:
-    """The sink of ranks other than 0: rank 0 alone writes the run's files and talks to MLflow."""
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
-
-    def log_params(self, params: Mapping[str, Any]) -> None: ...
-
-    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
-
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def close(self, status: str | None = "FINISHED") -> None: ...
 
 
 def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, stop_after: int | None

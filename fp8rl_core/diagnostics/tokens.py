@@ -140,6 +140,18 @@ def save_rollout(path: Path, batch: Any, step: int, weights_step: int, run_confi
     return path
 
 
+def prune_rollouts(out: Path) -> list[Path]:
+    """Delete saved rollouts whose weights are gone (checkpoint N - 1 pruned; step 1's weights are the
+    warm start, always there): they can no longer be replayed, and at scale each is a step's batch."""
+    removed = []
+    for path in sorted((out / ROLLOUTS_DIR).glob("step_*.pt")):
+        step = int(path.stem.split("_")[1])
+        if step > 1 and find_checkpoint(out / "checkpoints", step - 1) is None:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -181,5 +193,6 @@ def after_step(ctx: Any, sink: Any, step: int) -> None:
         model_cfg = getattr(ctx.gen, "config", None)
         save_rollout(rollout_path(out, step), batch, step, step - 1, to_dict(cfg),
                      model_cfg.to_hf_dict() if hasattr(model_cfg, "to_hf_dict") else {})
+        prune_rollouts(out)
     if table.exists() and (step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps):
         sink.log_artifact(table, ARTIFACT_DIR)  # shipped as a copy: the MLflow table is as fresh as the checkpoint

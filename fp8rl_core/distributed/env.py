@@ -10,6 +10,7 @@ stuck rank into a failed job (every other rank raises) instead of a hang.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,10 +40,24 @@ def detect_rank_env(environ: Mapping[str, str] | None = None) -> RankEnv:
     return RankEnv(0, 1, 0, "single")
 
 
+# Rendezvous ports below Linux's ephemeral range (32768-60999 by default): submitit's own choice, a
+# random port in 20000-60000, can collide with a client socket the node opened a moment before (seen:
+# EADDRINUSE on a retried cell's first rank).
+PORT_LOW, PORT_SPAN = 20000, 12000
+
+
+def master_port(job_id: str) -> int:
+    """The job's rendezvous port: the same on every task of the job (derived from its id), 20000-31999."""
+    return PORT_LOW + zlib.crc32(job_id.encode()) % PORT_SPAN
+
+
 def _export_slurm() -> None:
-    """MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from the SLURM job (submitit's helper)."""
+    """MASTER_ADDR/PORT, RANK, WORLD_SIZE, LOCAL_RANK from the SLURM job (submitit's helper); the port
+    is `master_port(job id)` unless the job's environment sets MASTER_PORT."""
     from submitit.helpers import TorchDistributedEnvironment
 
+    if "MASTER_PORT" not in os.environ and "SLURM_JOB_ID" in os.environ:
+        os.environ["MASTER_PORT"] = str(master_port(os.environ["SLURM_JOB_ID"]))
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 

@@ -51,6 +51,23 @@ class MetricSink(Protocol):
 
     def close(self, status: str | None = "FINISHED") -> None: ...
 
+class NullSink:
+    """A MetricSink that keeps nothing: the sink of ranks other than 0 (rank 0 alone writes the run's
+    files and talks to MLflow)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def log_params(self, params: Mapping[str, Any]) -> None: ...
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None: ...
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self, status: str | None = "FINISHED") -> None: ...
+
+
 
 class MultiSink:
     """Fan out to several sinks; `close` closes all of them even when one fails."""

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 
 import pytest
@@ -96,16 +97,30 @@ def _probe(name: str) -> int:
     A first pass on a one-layer model loads every code path (AdamW's imports, oneDNN, the engines),
     so that one-time costs land in the baseline, not in the step.
     """
-    import resource
+    import threading
 
     import torch
 
     cfg, rows, prompt, new, recipe = CASES[name]
     torch.set_num_threads(1)
     _step(ModelConfig(num_hidden_layers=1), 2, 4, 4, recipe)
-    base = _rss()
-    _step(cfg, rows, prompt, new, recipe)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    base = peak = _rss_anon()
+    done = threading.Event()
+
+    def sample() -> None:  # torch kernels release the GIL, so this thread sees the step's peak
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_anon())
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    try:
+        _step(cfg, rows, prompt, new, recipe)
+    finally:
+        done.set()
+        watcher.join()
+    return max(peak, _rss_anon()) - base
 
 
 def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str) -> None:
@@ -135,17 +150,25 @@ def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str) -> No
         train.train_step(batch)
 
 
-def _rss() -> int:
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _rss_anon() -> int:
+    """Resident anonymous memory (tensors, heap) in bytes. Not ru_maxrss: that counts file-backed pages
+    too (libtorch's code), and how many of those a fault maps depends on what the page cache holds, so
+    it read 290-770 MiB instead of 180 after other tests had run (a measurement must not depend on test
+    order)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("RssAnon:"))
+    return int(line.split()[1]) * 1024
 
 
 def _measure(name: str) -> int:
     # glibc's mmap threshold pinned: freed tensors go back to the OS at once, so that RSS follows the
     # bytes alive (its default adapts upwards and keeps freed blocks mapped, inflating RSS by up to 2x)
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    # The child gets a clean environment: variables that earlier tests of this session left behind
+    # (torch.distributed's RANK/WORLD_SIZE/MASTER_*, FP8RL_* switches) changed what it allocated (seen:
+    # +120 MiB after the distributed tests), and a measurement must not depend on test order.
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH", "SYSTEMROOT")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, check=True, timeout=900,
                          env=env)
     return int(out.stdout.strip().splitlines()[-1])

@@ -15,6 +15,7 @@ import math
 import shutil
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,17 @@ def tiny_core_base(steps: int, val_every: int = 1, cache_dir: str | None = None)
             f"  warmstart: {{steps: 5, batch_size: 8{cache}}}\n"
             "  rollout: {prompts_per_step: 2, samples_per_prompt: 2, max_new_tokens: 6}\n"
             f"  train: {{steps: {steps}, val_every: {val_every}, checkpoint_every: 1}}\n")
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `predicate` every 0.5 s; fail the test after `timeout_s` (a bound, not a speed assumption)."""
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.5)
 
 
 def write_sweep(folder: Path, body: str, name: str = "sweep.yaml") -> Path:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _sweep_fakes import mlflow_db, tiny_core_base
+from _sweep_fakes import mlflow_db, tiny_core_base, wait_for
 from mlflow import MlflowClient
 
 from fp8rl_core.hold import ENV_VAR as HOLD_VAR
@@ -77,14 +77,6 @@ def assert_each_step_once(sweep, steps: int) -> None:
     assert run.data.tags["world_size"] == "2"
     logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss"))
     assert logged == list(range(1, steps + 1)), f"loss logged at steps {logged}"
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def hold_after(monkeypatch, root: Path, step: int) -> Path:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _sweep_fakes import mlflow_db, tiny_core_base
+from _sweep_fakes import mlflow_db, tiny_core_base, wait_for
 from mlflow import MlflowClient
 
 from fp8rl_core.hold import ENV_VAR as HOLD_VAR
@@ -67,14 +67,6 @@ def child_runs(sweep) -> dict[str, object]:
     client = MlflowClient(sweep.tracking_uri())
     exp = client.get_experiment_by_name(sweep.experiment)
     return {r.data.tags["cell_id"]: r for r in client.search_runs([exp.experiment_id], "tags.`fp8rl.role` = 'cell'")}
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def in_squeue(job_ids: list[str]) -> list[str]:

@@ -111,3 +111,18 @@ def test_tiny_run_logs_worst_tokens_and_explain_report_to_mlflow(tmp_path, capsy
     assert len(results["kernels"]["layer_rel_err"]) == 4 and (folder / "per_layer.png").stat().st_size > 0
     logged = [a.path for a in client.list_artifacts(run_id, "diagnostics/explain_step_00000003")]
     assert {"report.md", "per_layer.png", "results.json"} <= {p.rsplit("/", 1)[1] for p in logged}
+
+
+def test_rollouts_whose_weights_were_pruned_are_deleted(tmp_path):
+    from fp8rl_core.diagnostics.tokens import prune_rollouts, rollout_path
+
+    kept = tmp_path / "checkpoints" / "step_00000003"
+    kept.mkdir(parents=True)
+    (kept / "meta.json").write_text("{}")
+    (tmp_path / "checkpoints" / ".tmp-step_00000005").mkdir()  # half written: not a checkpoint
+    for step in (1, 4, 6):
+        rollout_path(tmp_path, step).parent.mkdir(exist_ok=True)
+        rollout_path(tmp_path, step).write_bytes(b"x")
+    removed = prune_rollouts(tmp_path)
+    assert [p.name for p in removed] == ["step_00000006.pt"]
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_00000001.pt", "step_00000004.pt"]

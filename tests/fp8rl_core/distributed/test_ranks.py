@@ -93,3 +93,11 @@ def test_a_stuck_rank_fails_the_collective_within_the_timeout(tmp_path):
     seen = run_ranks(2, stuck_peer, str(tmp_path / "flag"), timeout_s=3.0)
     assert seen[1] == "released"  # rank 0 gave up first, on its own
     assert seen[0].startswith("error:") and "timed out" in seen[0].lower(), seen[0]
+
+
+def test_slurm_rendezvous_port_is_per_job_and_below_the_ephemeral_range():
+    from fp8rl_core.distributed.env import master_port
+
+    ports = {master_port(str(job)) for job in range(1000, 1200)}
+    assert all(20000 <= p < 32768 for p in ports) and len(ports) > 150  # spread over jobs
+    assert master_port("4711_3") == master_port("4711_3")  # every task of one job agrees
