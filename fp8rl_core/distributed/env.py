@@ -56,9 +56,11 @@ def _export_slurm() -> None:
     is `master_port(job id)` unless the job's environment sets MASTER_PORT."""
     from submitit.helpers import TorchDistributedEnvironment
 
+    dist_env = TorchDistributedEnvironment()  # reads MASTER_PORT when the job sets it
     if "MASTER_PORT" not in os.environ and "SLURM_JOB_ID" in os.environ:
-        os.environ["MASTER_PORT"] = str(master_port(os.environ["SLURM_JOB_ID"]))
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        dist_env.master_port = master_port(os.environ["SLURM_JOB_ID"])
+    # overwrite: export refuses any variable already set, and a user's MASTER_PORT is kept above anyway
+    dist_env.export(set_cuda_visible_devices=False, overwrite=True)
 
 
 def init_distributed(timeout_s: float = 1800.0, device_type: str = "cpu") -> Mesh:

@@ -1,8 +1,9 @@
 """Memory plan: refuses what cannot fit (naming the knobs), accepts a sharded 8B layout, counts parameters
-exactly, and its estimate is within 25% of the peak RSS a real step reaches on this CPU.
+exactly, and its estimate is within 25% of the peak memory a real step reaches on this CPU.
 
 The measurement runs in a fresh subprocess (this file run as a script), so that nothing this test
-process allocated or cached pollutes it: peak RSS (ru_maxrss) minus the RSS after imports and warm-up.
+process allocated or cached pollutes it: the peak of resident anonymous memory (sampled every 1 ms)
+minus its value after imports and warm-up.
 """
 import json
 import os
