@@ -11,12 +11,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import cloudpickle
 import pytest
 import submitit
+from _sweep_fakes import wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -108,12 +109,6 @@ def wait_done(job: submitit.Job, timeout_s: float) -> None:
         time.sleep(1)
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.5)
 
 
 def in_squeue(job_id: str) -> bool:
