@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fp8rl_core.tracking import METRICS_FILE
-from fp8rl_core.tracking.store import retry_locked
+from fp8rl_core.tracking.store import END_STATUSES, retry_locked
 from launchers.executors import Executors, JobHandle, by_kind, is_alive
 from launchers.plan.cells import CELLS_SUBFOLDER
 from launchers.run.context import handle_of
@@ -63,18 +63,36 @@ def stop_drivers(pids: Sequence[int], wait_s: float = DRIVER_WAIT_S) -> list[int
     return alive
 
 
-def _mark_killed(sweep: Sweep, state: SweepState, cell_ids: set[str]) -> int:
-    """End the cells' open runs KILLED, each after shipping what its cell logged (end_run)."""
-    from fp8rl_core.tracking.runs import cell_states, end_run
+def _run_statuses(sweep: Sweep, state: SweepState, cell_ids: set[str]) -> dict[str, str]:
+    """`{cell_id: status}` of the run each cell's state records (the run its open attempt writes)."""
+    from mlflow import MlflowClient
 
-    uri = sweep.tracking_uri()
-    statuses = retry_locked(cell_states, uri, sweep.experiment, sweep.experiment) if cell_ids else {}
-    n = 0
+    client = MlflowClient(sweep.tracking_uri())
+    out: dict[str, str] = {}
     for cid in cell_ids:
         rec = state.cells.get(cid)
-        if rec and rec.run_id and statuses.get(cid) not in (None, "FINISHED", "KILLED"):
-            buffer = sweep.folder / CELLS_SUBFOLDER / cid / METRICS_FILE
-            n += end_run(uri, rec.run_id, "KILLED", buffer_path=buffer)
+        if rec and rec.run_id:
+            out[cid] = retry_locked(client.get_run, rec.run_id).info.status
+    return out
+
+
+def _mark_killed(sweep: Sweep, state: SweepState, before: dict[str, str]) -> int:
+    """End KILLED, after shipping what the cell logged (end_run), each run that was open when its job
+    was signalled (`before`: the statuses read just before) and did not finish since.
+
+    Why KILLED even over a FAILED written meanwhile: a run that was open when the cancel came and
+    failed since died of the cancel (SIGINT in the middle of a cleanup, the SIGKILL that follows it
+    after a second, a broken collective on another rank), not of its own error; its attempt counts
+    as cancelled, so `sweep run` resumes it. A run that had ended before the signal keeps its status."""
+    from fp8rl_core.tracking.runs import end_run
+
+    now = _run_statuses(sweep, state, set(before))
+    n = 0
+    for cid, was in before.items():
+        if was in END_STATUSES or now.get(cid) == "FINISHED":
+            continue
+        buffer = sweep.folder / CELLS_SUBFOLDER / cid / METRICS_FILE
+        n += end_run(sweep.tracking_uri(), state.cells[cid].run_id, "KILLED", buffer_path=buffer, only_open=False)
     return n
 
 
@@ -82,18 +100,19 @@ def cancel_handles(sweep: Sweep, state: SweepState, handles: Sequence[JobHandle]
                    executors: Callable[[str], Any], wait_s: float = QUEUE_WAIT_S) -> list[str]:
     """Cancel `handles` (one call per kind), wait until they are gone, settle them as cancelled and
     mark their runs KILLED. Returns the job ids still queued after `wait_s` (should be none)."""
+    cells = {h.name for h in handles}
+    before = _run_statuses(sweep, state, cells)
     left: list[str] = []
     for kind, hs in by_kind(handles).items():
         ex = executors(kind)
         ex.cancel(hs)
         left += _wait_gone(ex, hs, wait_s)
-    cells = {h.name for h in handles}
     for cid in cells:
         rec = state.cells.get(cid)
         att = rec.open_attempt() if rec else None
         if att is not None:
             att.outcome, att.error = "cancelled", "cancelled by sweep cancel"
-    _mark_killed(sweep, state, cells)
+    _mark_killed(sweep, state, before)
     return left
 
 

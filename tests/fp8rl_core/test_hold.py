@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fp8rl_core.hold import ENV_VAR, hold_after, hold_spec
+from fp8rl_core.hold import ENV_VAR, hold_after, hold_spec, holders
 
 
 def test_unset_or_other_steps_never_wait(tmp_path):
@@ -35,3 +35,17 @@ def test_the_wait_is_bounded(tmp_path):
 def test_a_malformed_value_names_the_variable_and_the_form(bad):
     with pytest.raises(ValueError, match=f"{ENV_VAR}.*<step>:<release file>"):
         hold_spec(bad)
+
+
+def test_each_waiting_process_leaves_a_marker_before_it_waits(tmp_path):
+    release = tmp_path / "go"
+    assert holders(release) == 0
+    t = threading.Thread(target=hold_after, args=(2,), kwargs={"env": {ENV_VAR: f"2:{release}"}, "poll_s": 0.01})
+    t.start()
+    deadline = time.monotonic() + 30
+    while holders(release) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holders(release) == 1 and t.is_alive(), "the marker must exist while the process still waits"
+    release.touch()
+    t.join(30)
+    assert not hold_after(1, env={ENV_VAR: f"2:{release}"}) and holders(release) == 1  # other steps mark nothing

@@ -1,5 +1,5 @@
 """Cells of 2 ranks on the real local SLURM cluster (scripts/slurm/cluster.sh up): one job of 2 tasks
-per cell (tasks_per_node: 2, cpus_per_task: 1), each task a torch.distributed rank (gloo), the real
+per cell (tasks_per_node: {ranks}, cpus_per_task: 1), each task a torch.distributed rank (gloo), the real
 core and a real MLflow SQLite store. A run finishes with one MLflow run and every step logged once;
 `scontrol requeue` mid-run resumes it; `kill -9` of rank 1 fails the job within the collective timeout
 and `sweep run` retries it from its checkpoint. Runs are held mid-flight with fp8rl_core/hold.py, so
@@ -20,6 +20,7 @@ from _sweep_fakes import mlflow_db, tiny_core_base, wait_for
 from mlflow import MlflowClient
 
 from fp8rl_core.hold import ENV_VAR as HOLD_VAR
+from fp8rl_core.hold import holders
 from launchers.plan.grid import expand
 from launchers.run.driver import run_sweep
 from launchers.run.progress import cell_step
@@ -28,6 +29,7 @@ from launchers.spec.loading import load_sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
+RANKS = 2  # tasks_per_node in SWEEP: one process per rank
 TIMEOUT_S = 20  # parallel.timeout_s: the collective timeout that turns a dead rank into a failed job
 SWEEP = """\
 experiment: {name}
@@ -39,7 +41,7 @@ launcher:
   max_parallel: 1
   retries: {retries}
   folder: {root}/{name}
-  slurm: {{time: 10, nodes: 1, tasks_per_node: 2, cpus_per_task: 1, mem_gb: 4, signal_delay_s: 30}}
+  slurm: {{time: 10, nodes: 1, tasks_per_node: {ranks}, cpus_per_task: 1, mem_gb: 4, signal_delay_s: 30}}
 tracking: {{uri: "sqlite:///{root}/mlflow.db"}}
 """
 
@@ -54,7 +56,8 @@ def root(tmp_path_factory) -> Path:
 def make_sweep(root: Path, name: str, steps: int, retries: int = 0):
     path = root / f"{name}.yaml"
     base = tiny_core_base(steps, val_every=steps, cache_dir=f"{root}/ws")
-    path.write_text(SWEEP.format(name=name, root=root, base=base, timeout=TIMEOUT_S, retries=retries))
+    path.write_text(SWEEP.format(name=name, root=root, base=base, timeout=TIMEOUT_S, retries=retries,
+                                ranks=RANKS))
     return load_sweep(path, cwd=root)
 
 
@@ -86,14 +89,9 @@ def hold_after(monkeypatch, root: Path, step: int) -> Path:
     return release
 
 
-def held_at(sweep, cell_id: str, step: int) -> bool:
-    """The cell logged `step` and its checkpoint of that step is complete (renamed into place): from
-    here on it waits in the hold hook, so what the test does next cannot hit a checkpoint in flight."""
-    from fp8rl_core.checkpoint import latest_checkpoint
-
-    found = latest_checkpoint(sweep.folder / "cells" / cell_id / "checkpoints")
-    digits = re.sub(r"\D", "", found.name) if found else ""
-    return cell_step(sweep.folder / "cells" / cell_id).step >= step and bool(digits) and int(digits) >= step
+def all_ranks_held(release: Path) -> bool:
+    """Both ranks are inside the hold hook, i.e. past step 2's checkpoint (fp8rl_core/hold.py)."""
+    return holders(release) == RANKS
 
 
 def rank_pids(job_id: str, rank: int) -> list[int]:
@@ -137,11 +135,11 @@ def test_a_two_task_job_runs_a_cell_to_finished_with_one_mlflow_run(root, slurm_
 def test_scontrol_requeue_of_a_two_task_job_resumes_from_its_checkpoint(root, slurm_cluster, monkeypatch):
     steps, held = 6, 2
     sweep = make_sweep(root, "ddp_requeue", steps)
-    hold_after(monkeypatch, root, held)  # never released: the first attempt dies held at step 2
+    release = hold_after(monkeypatch, root, held)  # never released: the first attempt dies held at step 2
     assert go(sweep, detach=True)[0] == 0
     (cell,) = expand(sweep)
     job = load_state(sweep.folder).cells[cell.id].last().job_id
-    wait_for(lambda: held_at(sweep, cell.id, held), 240, "the cell to log and checkpoint step 2")
+    wait_for(lambda: all_ranks_held(release), 240, "both ranks to checkpoint step 2 and wait")
     assert cell_step(sweep.folder / "cells" / cell.id).step == held
     subprocess.run(["scontrol", "requeue", job], check=True, timeout=30)  # SIGTERM to both tasks, a restart
     rc, text = go(sweep)  # a driver that waits for the requeued job
@@ -159,7 +157,7 @@ def test_kill_9_of_one_rank_fails_the_job_within_the_timeout_and_sweep_run_retri
     assert go(sweep, detach=True)[0] == 0
     (cell,) = expand(sweep)
     job = load_state(sweep.folder).cells[cell.id].last().job_id
-    wait_for(lambda: held_at(sweep, cell.id, held), 240, "the cell to log and checkpoint step 2")
+    wait_for(lambda: all_ranks_held(release), 240, "both ranks to checkpoint step 2 and wait")
     victims = rank_pids(job, 1)
     assert victims, "scontrol listpids shows no process of rank 1"
     for pid in victims:

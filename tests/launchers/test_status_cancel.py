@@ -204,11 +204,12 @@ tracking: {uri: "sqlite:///mlflow.db"}
 @pytest.mark.slow
 def test_local_detach_then_cancel_stops_the_driver_and_its_processes(cwd, capsys, monkeypatch):
     """`sweep run --detach` (a background driver, real core) -> `sweep status` -> `sweep cancel`."""
-    from fp8rl_core.hold import ENV_VAR
+    from fp8rl_core.hold import ENV_VAR, holders
     from launchers.cli import main
     from launchers.executors.local import controller_alive
 
-    monkeypatch.setenv(ENV_VAR, f"1:{cwd / 'never-released'}")  # both cells stay running after step 1
+    release = cwd / "never-released"
+    monkeypatch.setenv(ENV_VAR, f"1:{release}")  # both cells stay running after step 1
     mlflow_db(cwd / "mlflow.db")
     path = write_sweep(cwd, TINY_LONG)
     assert main(["run", str(path), "--detach"]) == 0
@@ -217,8 +218,7 @@ def test_local_detach_then_cancel_stops_the_driver_and_its_processes(cwd, capsys
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         state = load_state(sweep.folder)
-        if state and len(state.cells) == 2 and all(
-                cell_step(sweep.folder / "cells" / c).step >= 1 for c in state.cells):
+        if state and len(state.cells) == 2 and holders(release) == 2:  # both inside the hold
             break
         time.sleep(0.5)
     else:

@@ -18,6 +18,7 @@ from _sweep_fakes import mlflow_db, tiny_core_base, wait_for
 from mlflow import MlflowClient
 
 from fp8rl_core.hold import ENV_VAR as HOLD_VAR
+from fp8rl_core.hold import holders
 from launchers.cli import main as sweep_main
 from launchers.executors.slurm import SlurmExecutor
 from launchers.executors.slurm.sbatch import slurm_submission
@@ -165,14 +166,15 @@ def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling
 
     steps, held = 40, 2  # each cell is held after step 2 until the requeue has reached it
     sweep = make_sweep(root, "requeue", "  seed: [0, 1]", steps=steps, val_every=10)
-    hold_cells_after(monkeypatch, root, held)
+    release = hold_cells_after(monkeypatch, root, held)
     rc, _ = go(sweep, detach=True)
     assert rc == 0
     cells = expand(sweep)
     state = load_state(sweep.folder)
     jobs = {c.id: state.cells[c.id].last().job_id for c in cells}
     dirs = {c.id: sweep.folder / "cells" / c.id for c in cells}
-    wait_for(lambda: all(cell_step(d).step >= held for d in dirs.values()), 240, "both cells to log step 2")
+    # both processes inside the hold, i.e. past step 2's checkpoint (its metric line comes before it)
+    wait_for(lambda: holders(release) == 2, 240, "both cells to checkpoint step 2 and wait")
     a, b = cells
     assert [cell_step(d).step for d in dirs.values()] == [held, held], "a held cell went on"
     subprocess.run(["scontrol", "requeue", jobs[a.id]], check=True, timeout=30)  # SIGTERM, then a restart
@@ -197,11 +199,11 @@ def test_requeued_cells_resume_from_their_checkpoints_without_losing_or_doubling
 
 def test_cancel_leaves_nothing_in_squeue(root, slurm_cluster, capsys, monkeypatch):
     sweep = make_sweep(root, "cancel", "  seed: [0, 1, 2]", steps=200, val_every=100)
-    hold_cells_after(monkeypatch, root, 1)  # never released: the cells are cancelled while held
+    release = hold_cells_after(monkeypatch, root, 1)  # never released: the cells are cancelled while held
     assert go(sweep, detach=True)[0] == 0
     state = load_state(sweep.folder)
     ids = [rec.last().job_id for rec in state.cells.values()] + [s.job_id for s in state.stages]
-    wait_for(lambda: any(cell_step(sweep.folder / "cells" / c).step >= 1 for c in state.cells), 180, "a cell to run")
+    wait_for(lambda: holders(release) >= 1, 180, "a cell to run and wait after step 1")
     assert in_squeue(ids)
     assert sweep_main(["cancel", sweep.name]) == 0
     assert "nothing left in the queue" in capsys.readouterr().out
