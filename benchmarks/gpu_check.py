@@ -3,7 +3,15 @@
 Usage: python benchmarks/gpu_check.py [--out gpu_check.json] [--executor scaled_mm] [--sections a,b,c]
                                       [--sizes 4096,1024] [--repeats 5] [--recipes bf16 fp8_gen fp8_e2e]
                                       [--warmstart-steps 200] [--steps 2] [--backend-timeout 300]
+                                      [--deadline 480] [--budgets a=90,b=150,c=240]
        python benchmarks/gpu_check.py --allow-cpu      # tiny sizes on the CPU: the same code paths, for tests
+
+Time: an overall --deadline (default 480 s, under the 8 minutes a lent GPU gives one command) and
+per-section --budgets (seconds; default a=90, b=150, c=240). A case starts only while both its
+section's budget and the overall deadline have at least MIN_START_S left; otherwise it becomes a
+`skipped` row saying which limit stopped it, and the backend subprocesses of section c get the time
+that is left as their timeout (at most --backend-timeout). The end of the output lists every skipped
+row and why.
 
 Sections (each case guarded: a failure becomes an `error` row and the rest still run):
   a) Fp8Linear forward + backward (y, dX, dW) through the GEMM executor under test (--executor, else
@@ -48,6 +56,47 @@ from fp8_numerics import timeit  # noqa: E402  (best-of-N wall time, CUDA-synchr
 from torch import nn  # noqa: E402
 
 COLUMNS = ("section", "case", "status", "time_ms", "ratio", "tflops", "max_rel_diff", "tmpe", "note")
+DEFAULT_DEADLINE_S = 480.0
+DEFAULT_BUDGETS = {"a": 90.0, "b": 150.0, "c": 240.0}
+MIN_START_S = 5.0  # a case needs at least this much time left (in its section and overall) to start
+
+
+class Clock:
+    """The overall deadline and the per-section budgets (seconds from construction / from a section's start)."""
+
+    def __init__(self, deadline_s: float, budgets: dict[str, float], now: Callable[[], float] = time.monotonic):
+        self.deadline_s, self.budgets, self.now = deadline_s, budgets, now
+        self.t0 = now()
+        self.section_t0: dict[str, float] = {}
+
+    def left(self) -> float:
+        return self.deadline_s - (self.now() - self.t0)
+
+    def section_left(self, section: str) -> float:
+        start = self.section_t0.setdefault(section, self.now())
+        return self.budgets.get(section, float("inf")) - (self.now() - start)
+
+    def why_not(self, section: str) -> str | None:
+        """Why a new case of `section` may not start now, or None."""
+        overall, own = self.left(), self.section_left(section)
+        if overall < MIN_START_S:
+            return f"overall deadline: {max(overall, 0):.0f} s left of {self.deadline_s:.0f} s (--deadline)"
+        if own < MIN_START_S:
+            return (f"section {section} budget: {max(own, 0):.0f} s left of {self.budgets[section]:.0f} s "
+                    f"(--budgets {section}=...)")
+        return None
+
+    def timeout(self, section: str, cap: float) -> float:
+        """Seconds a subprocess of `section` may run: what is left of both limits, at most cap."""
+        return max(min(cap, self.left(), self.section_left(section)), 1.0)
+
+
+def timed(clock: Clock, section: str, case: str, fn: Callable[[], list[dict]]) -> list[dict]:
+    """guarded(fn) if the clock allows a new case of `section`, else one skipped row saying why."""
+    why = clock.why_not(section)
+    if why:
+        return [row(section, case, "skipped", note=f"not started: {why}")]
+    return guarded(section, case, fn)
 
 
 def row(section: str, case: str, status: str = "ok", **fields: Any) -> dict[str, Any]:
@@ -122,7 +171,7 @@ def linear_rows(n: int, device: torch.device, executor: str, repeats: int) -> li
                 tflops=flops / t_emu / 1e12, note=f"FP8 vs bf16: {vs_bf16}")]
 
 
-def section_a(args: Namespace, device: torch.device) -> list[dict]:
+def section_a(args: Namespace, device: torch.device, clock: Clock) -> list[dict]:
     from fp8rl_core.fp8 import select_executor
 
     executor = args.executor or os.environ.get("FP8RL_GEMM") or select_executor(device)
@@ -134,7 +183,7 @@ def section_a(args: Namespace, device: torch.device) -> list[dict]:
                             note="none available (select_executor chose 'emulated'): not an SM90 GPU, "
                                  "or this torch lacks blockwise scaled_mm"))
     for n in args.sizes:
-        rows += guarded("a", f"Fp8Linear M=K=N={n}", lambda n=n: linear_rows(n, device, executor, args.repeats))
+        rows += timed(clock, "a", f"Fp8Linear M=K=N={n}", lambda n=n: linear_rows(n, device, executor, args.repeats))
     return rows
 
 
@@ -163,13 +212,13 @@ def warm_start(ns: Namespace) -> list[dict]:
     return [row("b", "warm start (once)", time_ms=(time.perf_counter() - t0) * 1e3, note="not timed elsewhere")]
 
 
-def section_b(args: Namespace, ns: Namespace) -> tuple[list[dict], float | None]:
+def section_b(args: Namespace, ns: Namespace, clock: Clock) -> tuple[list[dict], float | None]:
     rows, base = [], None
     for recipe in args.recipes:
         def one(recipe: str = recipe, base: float | None = base) -> list[dict]:
             r = engine_step.worker(ns, recipe)
             return [step_row("b", f"GRPO step tiny [{recipe}] native engines", r, base)]
-        got = guarded("b", f"GRPO step tiny [{recipe}] native engines", one)
+        got = timed(clock, "b", f"GRPO step tiny [{recipe}] native engines", one)
         if recipe == "bf16" and got[0]["status"] == "ok":
             base, got[0]["ratio"] = got[0]["time_ms"] / 1e3, 1.0
         rows += got
@@ -200,7 +249,7 @@ def backend_missing(modules: tuple[str, ...], has_cuda: bool, hint: str) -> str 
     return None if has_cuda else "installed, but needs CUDA"
 
 
-def section_c(args: Namespace, ns: Namespace, has_cuda: bool, base: float | None) -> list[dict]:
+def section_c(args: Namespace, ns: Namespace, has_cuda: bool, base: float | None, clock: Clock) -> list[dict]:
     backends = [("vLLM generation", ("vllm",), "pip install 'fp8rl[vllm]'", "engines.generation=vllm",
                  ("bf16", "fp8_gen")),
                 ("Megatron-Core training", ("megatron.core", "transformer_engine", "fp8rl_core.engines.megatron_train"),
@@ -213,8 +262,8 @@ def section_c(args: Namespace, ns: Namespace, has_cuda: bool, base: float | None
             continue
         for recipe in recipes:
             case = f"GRPO step tiny [{recipe}] {label}"
-            rows += guarded("c", case, lambda r=recipe, c=case, s=setting: [step_row(
-                "c", c, worker_subprocess(ns, r, [s], args.backend_timeout), base)])
+            rows += timed(clock, "c", case, lambda r=recipe, c=case, s=setting: [step_row(
+                "c", c, worker_subprocess(ns, r, [s], clock.timeout("c", args.backend_timeout)), base)])
     return rows
 
 
@@ -245,7 +294,12 @@ def parse_args(argv: list[str] | None) -> Namespace:
     ap.add_argument("--warmstart-steps", type=int, help="supervised warm-start steps (GPU 200, CPU 4)")
     ap.add_argument("--steps", type=int, default=2, help="measured GRPO steps per case (after 1 warm-up)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: min(8, cores); CPU smoke 1)")
-    ap.add_argument("--backend-timeout", type=float, default=300.0, help="seconds per vLLM/Megatron case")
+    ap.add_argument("--backend-timeout", type=float, default=300.0,
+                    help="seconds per vLLM/Megatron case (at most what the deadline and section c's budget leave)")
+    ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
+                    help=f"overall seconds; no case starts later (default {DEFAULT_DEADLINE_S:.0f})")
+    ap.add_argument("--budgets", default=",".join(f"{k}={v:.0f}" for k, v in DEFAULT_BUDGETS.items()),
+                    help="per-section seconds, e.g. a=90,b=150,c=240 (a section may not start a case past its own)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra run-config override")
     ap.add_argument("--strict", action="store_true", help="exit 1 if any row is an error")
     args = ap.parse_args(argv)
@@ -255,7 +309,19 @@ def parse_args(argv: list[str] | None) -> Namespace:
     args.warmstart_steps = 4 if cpu and args.warmstart_steps is None else (args.warmstart_steps or 200)
     args.threads = args.threads or (1 if cpu else min(8, os.cpu_count() or 1))
     args.sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    args.budgets = parse_budgets(args.budgets)
     return args
+
+
+def parse_budgets(text: str) -> dict[str, float]:
+    """'a=90,b=150' -> {"a": 90.0, "b": 150.0, "c": DEFAULT}; sections not named keep their default."""
+    out = dict(DEFAULT_BUDGETS)
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        if key not in DEFAULT_BUDGETS or not value:
+            raise SystemExit(f"--budgets: {item!r}; expected section=seconds with section in a, b, c")
+        out[key] = float(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if not has_cuda and not args.allow_cpu:
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing was run. "
               "Run it on a GPU machine, or with --allow-cpu for a tiny CPU smoke of the same code paths.")
+        print(f"skipped: sections {', '.join(sorted(args.sections))}: no CUDA GPU (torch {torch.__version__})")
         report["skipped"] = "no CUDA"
         if args.out:
             args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -274,25 +341,37 @@ def main(argv: list[str] | None = None) -> int:
                         else f"cpu ({torch.get_num_threads()} threads)")
     print(f"# gpu_check: torch {torch.__version__}, {report['device']}, sections {sorted(args.sections)}", flush=True)
     t0, rows = time.perf_counter(), []
+    clock = Clock(args.deadline, args.budgets)
+    print(f"# deadline {args.deadline:.0f} s; budgets " + ", ".join(f"{k} {v:.0f} s" for k, v in args.budgets.items()),
+          flush=True)
     with tempfile.TemporaryDirectory(prefix="fp8rl-gpu-check-") as tmp:
         work = Path(tmp)
         ns = Namespace(threads=args.threads, cache_dir=str(work / "warmstart"), warmup=1, steps=args.steps,
                        set=step_overrides(args, device, work))
         if "a" in args.sections:
-            rows += section_a(args, device)
+            rows += section_a(args, device, clock)
             print(f"# section a done at {time.perf_counter() - t0:.0f}s", flush=True)
         base = None
         if args.sections & {"b", "c"}:
-            rows += guarded("b", "warm start", lambda: warm_start(ns))
+            rows += timed(clock, "b", "warm start", lambda: warm_start(ns))
         if "b" in args.sections:
-            got, base = section_b(args, ns)
+            got, base = section_b(args, ns, clock)
             rows += got
             print(f"# section b done at {time.perf_counter() - t0:.0f}s", flush=True)
         if "c" in args.sections:
-            rows += section_c(args, ns, has_cuda, base)
-    report.update(rows=rows, elapsed_s=time.perf_counter() - t0)
+            rows += section_c(args, ns, has_cuda, base, clock)
+    skipped_sections = sorted({"a", "b", "c"} - args.sections)
+    report.update(rows=rows, elapsed_s=time.perf_counter() - t0, deadline_s=args.deadline, budgets=args.budgets,
+                  sections_not_selected=skipped_sections)
     print(markdown(rows))
-    print(f"\ntotal {report['elapsed_s']:.0f}s")
+    print(f"\ntotal {report['elapsed_s']:.0f}s (deadline {args.deadline:.0f}s)")
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    if skipped or skipped_sections:
+        print("skipped:")
+        for name in skipped_sections:
+            print(f"- section {name}: not selected (--sections)")
+        for r in skipped:
+            print(f"- [{r['section']}] {r['case']}: {r['note']}")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 1 if args.strict and any(r["status"] == "error" for r in rows) else 0

@@ -81,7 +81,9 @@ def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = 
                                 micro_batch_size=cfg.train.micro_batch_size,
                                 logprob_batch_size=cfg.train.logprob_batch_size,
                                 cpu_offload=cfg.parallel.cpu_offload,
-                                activation_checkpointing=cfg.parallel.activation_checkpointing)
+                                activation_checkpointing=cfg.parallel.activation_checkpointing,
+                                grad_reduce=cfg.parallel.grad_reduce,
+                                reshard_after_forward=cfg.parallel.reshard_after_forward)
 
 
 def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:
@@ -112,7 +114,6 @@ def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank
 def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = None) -> RunContext:
     """Everything one rank of the run needs. mesh None: join the launcher's process group
     (fp8rl_core.distributed.init_distributed; world size 1 without one)."""
-    from fp8rl_core.model.config import ModelConfig
     from fp8rl_core.tasks import make_task
 
     if cfg.threads > 0:
@@ -130,9 +131,9 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     task = make_task(cfg.task)
     # the warm-start cache is file-locked: one rank trains it, the others wait and read it
     path = initial_checkpoint(cfg, tokenizer, task, progress and mesh.is_rank0)
-    import json
+    from fp8rl_core.model.hf_io import read_model_config
 
-    model_config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
     train = build_training_engine(cfg, path, device, mesh)
     ref = build_reference(cfg, path, device, mesh) if cfg.loss.kl_coef > 0 else None
     gen = build_generation_engine(cfg, model_config, device, mesh.rank)

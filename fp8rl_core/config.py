@@ -158,9 +158,65 @@ class TrainSpec:
 
 
 @dataclass
+class VllmSpec:
+    """The vLLM generation engine (engines.generation=vllm; fp8rl_core/engines/vllm_gen.py)."""
+
+    # tokens per sequence (prompt + response) vLLM reserves KV for; null: the task's longest prompt +
+    # rollout.max_new_tokens (never the model's max_position_embeddings: 131072 at Llama-3.1)
+    max_model_len: int | None = None
+    # share of the GPU's memory vLLM may take for weights + KV cache (checked against free memory at start)
+    gpu_memory_utilization: float = 0.3
+    # KV-cache bytes instead of a share of the GPU (vLLM >= 0.11's kv_cache_memory_bytes); null: use the share
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int | None = None  # sequences decoded at once (vLLM's max_num_seqs); null: vLLM's default
+    tensor_parallel_size: int = 1  # GPUs one vLLM engine spans (1: one engine per rank, colocated with it)
+    enforce_eager: bool = True  # no CUDA-graph capture (fast start); false: faster decoding on big models
+    # colocation with the trainer on the same GPU: enable_sleep_mode, sleep(level=1) after each
+    # generation (weights to host memory, KV cache freed) and wake_up() before the next refit
+    sleep_between_steps: bool = True
+
+    def validate(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            fail("max_model_len", f"must be >= 2 tokens or null (longest prompt + max_new_tokens), "
+                                  f"got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            fail("kv_cache_memory_bytes", f"must be > 0 bytes or null, got {self.kv_cache_memory_bytes}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            fail("max_num_seqs", f"must be >= 1 or null, got {self.max_num_seqs}")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass
+class MegatronSpec:
+    """Megatron-Core's parallel layout (engines.training=megatron; fp8rl_core/engines/megatron_parallel.py).
+
+    World size = tensor x pipeline x data-parallel size; the data-parallel size is what is left of the
+    world size (it is not a key: the launcher sets the ranks)."""
+
+    tensor_parallel_size: int = 1  # shards every linear layer over this many GPUs (within a node)
+    pipeline_parallel_size: int = 1  # splits the layers into this many stages
+    sequence_parallel: bool = False  # shard norms/dropout activations over the tensor-parallel group (TP > 1)
+    distributed_optimizer: bool = True  # shard AdamW state and FP32 main params over data-parallel ranks (ZeRO-1)
+    # FP8 layers of Transformer Engine want B*T a multiple of this (blockwise FP8: 128, as NeMo RL pads)
+    pad_tokens_to: int = 128
+
+    def validate(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_tokens_to"):
+            if getattr(self, key) < 1:
+                fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            fail("sequence_parallel", "needs tensor_parallel_size > 1", "false, or tensor_parallel_size >= 2")
+
+
+@dataclass
 class EngineSpec:
     generation: Literal["native", "vllm"] = "native"  # vllm needs CUDA and the vllm extra
     training: Literal["native", "megatron"] = "native"  # megatron: Megatron-Core + Transformer Engine (CUDA)
+    vllm: VllmSpec = field(default_factory=VllmSpec)  # vLLM's memory, parallelism and colocation (generation=vllm)
+    megatron: MegatronSpec = field(default_factory=MegatronSpec)  # Megatron-Core's parallel layout (training=megatron)
 
 
 @dataclass
@@ -172,6 +228,12 @@ class ParallelSpec:
     timeout_s: float = 1800.0  # collective timeout: a dead or stuck rank fails the job after this, never hangs it
     cpu_offload: bool = False  # sharded parameters, gradients, AdamW state (and the reference) on the CPU between uses
     activation_checkpointing: bool = False  # recompute each transformer block's activations in backward
+    # when sharded gradients are reduce-scattered: after every micro-batch ("micro_batch": they stay
+    # sharded) or once per optimizer step ("step": fewer collectives, a full gradient per rank meanwhile)
+    grad_reduce: Literal["micro_batch", "step"] = "micro_batch"
+    # keep each block's gathered weights from forward to backward: one all-gather less per micro-batch,
+    # a full weight copy per rank during the step
+    reshard_after_forward: bool = True
 
     def validate(self) -> None:
         if not self.timeout_s > 0:
@@ -228,10 +290,19 @@ class RunConfig:
     def validate(self) -> None:
         if self.recipe not in RECIPES:
             fail("recipe", f"unknown recipe {self.recipe!r}", ", ".join(RECIPES))
+        if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
+            fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
+                                "BF16/FP16 activations only (fp32 is refused)",
+                 "bf16, or engines.generation=native, or a recipe without FP8 generation (bf16)")
 
 
 # Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
 HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "parallel.timeout_s", "diagnostics")
+# Sections added after cell ids existed: hashed only where they differ from their defaults, so that the
+# id of every config written before them (and of every config that leaves them alone) stays the same.
+# A value is the default itself, or the spec class whose default instance is it.
+HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
+                                       "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True}
 
 
 def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
@@ -272,6 +343,11 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
 def hashed_dict(cfg: RunConfig) -> dict[str, Any]:
     """What a cell's id hashes: the config as a plain dict minus the HASH_EXCLUDE fields."""
     data = to_dict(cfg)
+    for key, default in HASH_IF_NOT_DEFAULT.items():
+        parent, _, leaf = key.rpartition(".")
+        node = get_dotted(data, parent)
+        if isinstance(node, dict) and node.get(leaf) == (to_dict(default()) if isinstance(default, type) else default):
+            node.pop(leaf)
     for key in HASH_EXCLUDE:
         parent, _, leaf = key.rpartition(".")
         node = get_dotted(data, parent) if parent else data

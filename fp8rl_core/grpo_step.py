@@ -37,6 +37,7 @@ from fp8rl_core.config import RunConfig
 from fp8rl_core.diagnostics.tokens import observe_step
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.base import GenerationEngine, SamplingParams, TrainBatch, TrainingEngine
+from fp8rl_core.fp8.gemm import executor_flags
 from fp8rl_core.importance import compute_importance, importance_stats
 from fp8rl_core.metrics import token_mult_prob_error
 from fp8rl_core.rollout import broadcast_advantages, build_train_batch, split_rows
@@ -178,6 +179,7 @@ def grpo_step(ctx: RunContext) -> dict[str, float]:
         **stats,
         **train_metrics,
         **observe_step(ctx, batch),  # the mismatch-metric catalogue (fp8rl_core/diagnostics); keeps the batch
+        **executor_flags(),  # a CUDA GEMM fell back to BF16 output: say so in the run, not only in a warning
     }
     metrics[M_STEP_TIME] = time.perf_counter() - t_start
     metrics[M_TOKENS_PER_S] = n_resp / metrics[M_STEP_TIME]  # response tokens generated + trained per second

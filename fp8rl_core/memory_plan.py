@@ -32,10 +32,24 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
           plus one block recomputed (a); FP8 training on the CPU adds b_mb x T x 12 I (FP32 GEMM emulation
           of one linear: dequantized input and FP32 output)
       fsdp (W > 1) = 12 N_blk + 8 N_root  two unsharded blocks in flight + one block's unsharded grads,
-          and the root group (embeddings, final norm, head) unsharded with its grads
+          and the root group (embeddings, final norm, head) unsharded with its grads;
+          parallel.reshard_after_forward false: every block's gathered weights stay until its backward,
+          + 4 N_blk x (L - 2) in the logprobs and training phases
+      parallel.grad_reduce step (W > 1): gradients accumulate unsharded over the micro-batches, so the
+          training phase holds all of them beside the saved tensors: grads = 4 N, not max(4 N / W, saved)
   T = prompt + new, b_mb = micro_batch_size (0: all rows_r), b_lp = logprob_batch_size (0: all rows_r).
   cpu_offload (W > 1: FSDP2's CPUOffloadPolicy) moves params, grads, optimizer and reference to host
   memory (`host`, not counted on the device); the unsharded FSDP copies stay on the device.
+
+  vLLM generation (Layout.vllm; engines.vllm of the run config): vLLM's own weight copy (gen_weights,
+  as above) and its KV pool, kv_cache = engines.vllm.kv_cache_memory_bytes if set, else
+  concurrency x max_model_len x L x 2 x kv_dim x 2 B (concurrency: engines.vllm.max_num_seqs, else
+  every row of the rank at once; max_model_len: engines.vllm.max_model_len, else prompt + new; at
+  tensor_parallel_size > 1 both split over its GPUs). With sleep mode (engines.vllm.sleep_between_steps)
+  both exist only in the generation phase (sleep(level=1) moves the weights to the host, `host:
+  gen_weights`, and frees the KV pool while the trainer runs); without it they are resident in every phase.
+  Megatron training (Layout.trainer_sharded False): the engine runs one replica per rank, so params,
+  optimizer and gradients are not divided by W (see engines/megatron_train.py check_layout).
 
 Checked against measured peak RSS on the CPU (tests/fp8rl_core/test_memory_plan.py: tiny and hidden 1024,
 within 25%).
@@ -63,12 +77,21 @@ class Layout:
     logprob_batch_size: int = 0  # sequences per log-prob forward (0: all of a rank's rows)
     cpu_offload: bool = False  # params, grads, optimizer, reference on the host between uses
     activation_checkpointing: bool = False  # recompute each block in backward
+    grad_reduce_per_step: bool = False  # parallel.grad_reduce step: full unsharded gradients per rank
+    reshard_after_forward: bool = True  # parallel.reshard_after_forward false: all blocks' weights gathered
     reference: bool = False  # a frozen reference policy (loss.kl_coef > 0)
     fp8_training: bool = False
     fp8_generation: bool = False
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
     paged_kv: bool = False  # vLLM: paged KV, as many sequences as memory allows (counted: generation_batch_size or 1)
+    vllm: bool = False  # the vLLM engine (engines.generation=vllm): its weights + KV pool, below
+    vllm_max_model_len: int = 0  # KV length per sequence (0: prompt_tokens + max_new_tokens)
+    vllm_concurrency: int = 0  # sequences whose KV is held at once (engines.vllm.max_num_seqs; 0: all rows_r)
+    vllm_kv_cache_bytes: int = 0  # engines.vllm.kv_cache_memory_bytes (0: from the two above)
+    vllm_tensor_parallel: int = 1  # GPUs one vLLM engine spans (its weights and KV split over them)
+    vllm_sleep: bool = True  # sleep mode: vLLM's memory only in the generation phase
+    trainer_sharded: bool = True  # FSDP2 (native engine) divides the trainer's state by W; Megatron (here): no
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.rows_per_step < 1 or self.micro_batch_size < 0 or self.logprob_batch_size < 0:
@@ -165,7 +188,9 @@ def _training(cfg: Any, lay: Layout, p: ParamCounts, rows: int, fsdp: dict[str, 
     """Training phase: backward frees each block's saved tensors as it writes that block's gradients,
     so the peak is max(saved, grads), not their sum: grads are counted beyond the saved bytes."""
     saved = _activations(cfg, lay, p, rows)
-    grads = max(4 * p.total // lay.world_size - sum(saved.values()), 0)
+    if lay.grad_reduce_per_step and lay.world_size > 1 and lay.trainer_sharded:
+        return {"grads_unsharded": 4 * p.total, **saved, **fsdp}  # accumulated beside every micro-batch's saved
+    grads = max(4 * p.total // (lay.world_size if lay.trainer_sharded else 1) - sum(saved.values()), 0)
     return {**({"grads": grads} if grads else {}), **saved, **fsdp}
 
 
@@ -174,24 +199,40 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
     cfg = load_model_config(model_config)
     p = count_parameters(cfg)
     lay, W = layout, layout.world_size
-    resident = {"params": 4 * p.total // W, "optimizer": 8 * p.total // W,
-                "reference": 2 * p.total // W if lay.reference else 0}
+    S = W if lay.trainer_sharded else 1  # how many ways the trainer's state is split
+    resident = {"params": 4 * p.total // S, "optimizer": 8 * p.total // S,
+                "reference": 2 * p.total // S if lay.reference else 0}
     gen_lin = p.block_linear
-    resident["gen_weights"] = (gen_lin + 2 * (p.total - gen_lin)) if lay.fp8_generation else 2 * p.total
-    fsdp = {"fsdp_unsharded": 12 * p.block + 8 * p.root} if W > 1 else {}
+    gen_weights = (gen_lin + 2 * (p.total - gen_lin)) if lay.fp8_generation else 2 * p.total
+    fsdp = {"fsdp_unsharded": 12 * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
+    if fsdp and not lay.reshard_after_forward:  # every block gathered from its forward to its backward
+        fsdp["fsdp_kept_gathered"] = 4 * p.block * max(cfg.num_hidden_layers - 2, 0)
     rows = lay.rows_per_rank
-    gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
-    kv = gen_rows * lay.tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    host: dict[str, int] = {}
+    if lay.vllm:
+        tp = max(lay.vllm_tensor_parallel, 1)
+        kv = lay.vllm_kv_cache_bytes or (min(lay.vllm_concurrency or rows, rows)
+                                         * (lay.vllm_max_model_len or lay.tokens) * kv_token)
+        gen = {"gen_weights": gen_weights // tp, "kv_cache": kv // tp}
+        if lay.vllm_sleep:
+            host["gen_weights"] = gen["gen_weights"]  # sleep(level=1) while the trainer runs
+        else:
+            resident.update(gen)
+            gen = {}
+    else:
+        resident["gen_weights"] = gen_weights
+        gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
+        gen = {"kv_cache": gen_rows * lay.tokens * kv_token}
     b_lp = lay.logprob_batch_size or rows
     b_mb = lay.micro_batch_size or rows
-    phases = {"generation": {"kv_cache": kv},
+    phases = {"generation": gen,
               "logprobs": {"logits": min(b_lp, rows) * lay.tokens * cfg.vocab_size * 14, **fsdp},
               "training": _training(cfg, lay, p, min(b_mb, rows), fsdp)}
     phase = max(phases, key=lambda k: sum(phases[k].values()))
-    host: dict[str, int] = {}
-    if lay.cpu_offload and W > 1:  # FSDP2's CPUOffloadPolicy; one process trains unsharded, on the device
+    if lay.cpu_offload and W > 1 and lay.trainer_sharded:  # FSDP2's CPUOffloadPolicy (one process: unsharded)
         moved = ("params", "optimizer", "reference", "grads")
-        host = {k: v for k, v in {**resident, **phases["training"]}.items() if k in moved and v}
+        host.update({k: v for k, v in {**resident, **phases["training"]}.items() if k in moved and v})
         resident = {k: (0 if k in moved else v) for k, v in resident.items()}
         phases[phase] = {k: (0 if k in moved else v) for k, v in phases[phase].items()}
     device = {k: v for k, v in {**resident, **phases[phase]}.items() if v}
@@ -237,12 +278,19 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
 
     recipe = get_recipe(cfg.recipe)
     par = getattr(cfg, "parallel", None)
-    return Layout(world_size=world_size, rows_per_step=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+    vllm = cfg.engines.vllm
+    return Layout(vllm=cfg.engines.generation == "vllm", vllm_max_model_len=vllm.max_model_len or 0,
+                  vllm_concurrency=vllm.max_num_seqs or 0, vllm_kv_cache_bytes=vllm.kv_cache_memory_bytes or 0,
+                  vllm_tensor_parallel=vllm.tensor_parallel_size, vllm_sleep=vllm.sleep_between_steps,
+                  trainer_sharded=cfg.engines.training == "native",
+                  world_size=world_size, rows_per_step=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
                   prompt_tokens=prompt_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
                   micro_batch_size=getattr(cfg.train, "micro_batch_size", 0),
                   logprob_batch_size=getattr(cfg.train, "logprob_batch_size", 0),
                   cpu_offload=bool(getattr(par, "cpu_offload", False)),
                   activation_checkpointing=bool(getattr(par, "activation_checkpointing", False)),
+                  grad_reduce_per_step=getattr(par, "grad_reduce", "micro_batch") == "step",
+                  reshard_after_forward=bool(getattr(par, "reshard_after_forward", True)),
                   reference=cfg.loss.kl_coef > 0, fp8_training=recipe.fp8_training,
                   fp8_generation=recipe.fp8_generation,
                   device=device or ("cpu" if cfg.device == "cpu" else "cuda"),

@@ -37,19 +37,22 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     return len(layers)
 
 
-def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_gradients: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_gradients: bool = True,
+                reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 over mesh.device_mesh: fully_shard each block, then the root; in place, returns the model.
 
     cpu_offload: parameters, gradients and optimizer state live on the CPU between uses
     (CPUOffloadPolicy); the optimizer then steps on the CPU. sum_gradients: reduce-scatter sums
-    (divide factor 1) instead of FSDP's mean (see the module docstring).
+    (divide factor 1) instead of FSDP's mean (see the module docstring). reshard_after_forward:
+    False keeps every block's gathered weights until its backward (one all-gather less per
+    micro-batch; each rank then holds the full weights during the step).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     if not mesh.distributed:
         raise ValueError("shard_model: needs world size > 1 (a single process trains unsharded)")
-    kw = {"mesh": mesh.device_mesh, "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-          if cpu_offload else OffloadPolicy()}
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kw = {"mesh": mesh.device_mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload}
     _no_weight_cache(model)
     modules = [fully_shard(layer, **kw) for layer in model.model.layers]
     modules.append(fully_shard(model, **kw))
@@ -80,9 +83,9 @@ class GatheredWeights(Mapping):
     """Read-only HF-named view of a (sharded) model's state_dict whose values are gathered on access.
 
     A read all-gathers that one tensor; only the last one read is kept, so the extra memory is one
-    tensor. NativeGenerationEngine.refit reads every tensor in a shape/dtype check (two reads in a
-    row: one gather) and again to copy it: two all-gathers per tensor and refit. All ranks must read
-    the same keys in the same order, as a refit does.
+    tensor. `shards` is the same names un-gathered (DTensors: global shape and dtype, no data moved),
+    for checks that need no values, so a refit gathers each tensor once. All ranks must read the
+    same keys in the same order, as a refit does.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -93,6 +96,12 @@ class GatheredWeights(Mapping):
         if self._last is None or self._last[0] != name:
             self._last = (name, full_tensor(self._state[name].detach()))
         return self._last[1]
+
+    @property
+    def shards(self) -> Mapping[str, torch.Tensor]:
+        """The un-gathered DTensors by name: `.shape` is the full shape, `.dtype` the dtype; reading
+        one moves no data."""
+        return self._state
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._state)

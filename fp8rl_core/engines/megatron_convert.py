@@ -98,7 +98,8 @@ def gpt_model_kwargs(cfg: ModelConfig | Mapping[str, Any]) -> dict[str, Any]:
     """kwargs of megatron.core GPTModel besides (config, transformer_layer_spec): vocabulary, RoPE, tying.
 
     RoPE in HF's rotate-half layout (Megatron's rotary_interleaved=False default), full head_dim
-    (rotary_percent 1), base rope_theta. parallel_output=False: the logits come back whole [B, T, V].
+    (rotary_percent 1), base rope_theta, and the config's scaling (rope_scaling_kwargs).
+    parallel_output=False: the logits come back whole [B, T, V].
     """
     cfg = as_model_config(cfg)
     _check_supported(cfg)
@@ -106,7 +107,32 @@ def gpt_model_kwargs(cfg: ModelConfig | Mapping[str, Any]) -> dict[str, Any]:
     return dict(vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                 position_embedding_type="rope", rotary_percent=1.0,
                 rotary_base=int(base) if float(base).is_integer() else base,
-                share_embeddings_and_output_weights=cfg.tie_word_embeddings, parallel_output=False)
+                share_embeddings_and_output_weights=cfg.tie_word_embeddings, parallel_output=False,
+                **rope_scaling_kwargs(cfg))
+
+
+# Megatron-Core's RotaryEmbedding._apply_scaling takes only `factor`; the other llama3 parameters are fixed
+MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_scaling_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """GPTModel's RoPE-scaling kwargs for ModelConfig.rope_scaling (model/rope.py).
+
+    llama3 -> rope_scaling=True, rope_scaling_factor=factor (Megatron-Core implements Llama-3.1's
+      formula with low/high_freq_factor 1, 4 and original length 8192 fixed: any other values are refused);
+    linear -> seq_len_interpolation_factor=factor (positions / factor, the same angles as inv_freq / factor);
+    plain RoPE -> {} (Megatron's defaults: no scaling).
+    """
+    sc = cfg.rope_scaling
+    if sc is None:
+        return {}
+    if sc["rope_type"] == "linear":
+        return {"seq_len_interpolation_factor": float(sc["factor"])}
+    other = {k: sc[k] for k in MEGATRON_LLAMA3_FIXED if sc[k] != MEGATRON_LLAMA3_FIXED[k]}
+    if other:
+        raise ValueError(f"rope_scaling: Megatron-Core's llama3 RoPE scaling fixes {MEGATRON_LLAMA3_FIXED}; "
+                         f"this config has {other}; valid: those values (Llama-3.1/3.2's), or engines.training=native")
+    return {"rope_scaling": True, "rope_scaling_factor": float(sc["factor"])}
 
 
 def fp8_env(recipe: str, fp8: Fp8Spec | None = None) -> dict[str, str]:

@@ -10,10 +10,18 @@ not the algorithm: the GPTModel is wrapped to look like our CausalLM and driven 
 NativeTrainingEngine, i.e. the same `token_logprobs`, `grpo.policy_loss`, metrics, AdamW on FP32
 master weights, BF16 autocast, gradient clipping and non-finite guards.
 
-Parallelism: tensor and pipeline parallel size 1. torch.distributed comes from submitit's
-TorchDistributedEnvironment inside a SLURM job (else one local process); with several tasks every
-rank holds a full replica and must be fed the same batches (the seeded loop does that); sharding a
-batch over data-parallel ranks is not implemented.
+Parallelism (engines.megatron, megatron_parallel.py): Megatron's parallel state is initialized with the
+run config's tensor/pipeline sizes, and the TransformerConfig gets them too. What this engine runs
+today is one rank per model replica with tensor = pipeline = data-parallel size 1: `check_layout`
+refuses any other layout with what is missing (Megatron's DistributedDataParallel + distributed
+optimizer for data parallelism, with the global token-level loss normalization; TP-aware gradient
+clipping and weight gathering for tensor parallelism; Megatron's pipeline schedules), instead of
+letting ranks silently train on different batches without exchanging gradients. The pieces for them
+(config mapping, TP-sharded HF <-> Megatron conversion) are in megatron_parallel.py, tested on a CPU.
+FP8 training pads every batch on the right to B x T a multiple of engines.megatron.pad_tokens_to
+(Transformer Engine's FP8 GEMMs need it; padding is causal-invisible and sliced off the logits).
+Checkpoints (`state_dict`) are staged on the CPU: HF-named weights and the AdamW state are copied to
+host memory, never cloned on the GPU (an 8B model would need about +90 GiB there).
 
 Megatron-Core and Transformer Engine are imported lazily: a CPU install never needs them. Without
 CUDA or megatron-core the constructor raises a RuntimeError that says what to install.
@@ -30,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fp8rl_core.config import Fp8Spec, RunConfig
+from fp8rl_core.config import Fp8Spec, MegatronSpec, RunConfig
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.megatron_convert import (
     FP32_SCALES_ENV,
@@ -42,6 +51,12 @@ from fp8rl_core.engines.megatron_convert import (
     load_megatron_state,
     megatron_to_hf,
     transformer_config_kwargs,
+)
+from fp8rl_core.engines.megatron_parallel import (
+    model_parallel_kwargs,
+    padded_length,
+    parallel_sizes,
+    transformer_parallel_kwargs,
 )
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.model.config import ModelConfig
@@ -67,6 +82,9 @@ def require_megatron(fp8_training: bool) -> None:
         missing.append("transformer-engine (FP8 training runs through its blockwise recipe)")
     if missing:
         raise RuntimeError(f"engines.training=megatron needs {', '.join(missing)}; {INSTALL_HINT}")
+    from fp8rl_core.engines.versions import check_stack
+
+    check_stack(("megatron-core", "transformer-engine") if fp8_training else ("megatron-core",))
 
 
 def apply_env(env: Mapping[str, str]) -> None:
@@ -105,13 +123,33 @@ def init_distributed(backend: str = "nccl") -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def init_model_parallel(seed: int) -> None:
-    """Megatron's parallel state with tensor = pipeline = 1 (data parallel = world size), and on CUDA
-    its RNG tracker (model_parallel_cuda_manual_seed), which attention's dropout region forks."""
+def check_layout(spec: MegatronSpec, world_size: int, cfg: ModelConfig | None = None) -> tuple[int, int, int]:
+    """(tp, pp, dp) of the run; RuntimeError for any layout but 1 x 1 x 1, naming what is missing."""
+    tp, pp, dp = parallel_sizes(spec, world_size, cfg)
+    missing = []
+    if dp > 1:
+        missing.append(f"data parallelism ({dp} replicas): Megatron's DistributedDataParallel and distributed "
+                       "optimizer with the global token-level loss normalization are not wired into this engine")
+    if tp > 1:
+        missing.append(f"tensor parallelism ({tp}): TP-aware gradient clipping and weight gathering for refit")
+    if pp > 1:
+        missing.append(f"pipeline parallelism ({pp}): Megatron's pipeline schedules")
+    if missing:
+        raise RuntimeError("engines.training=megatron runs one model replica on one rank (tensor = pipeline = "
+                           f"data-parallel size 1); this run asks for {'; '.join(missing)}. Valid: one rank per cell "
+                           "with engines.megatron.tensor_parallel_size=pipeline_parallel_size=1, or "
+                           "engines.training=native (FSDP2 over every rank)")
+    return tp, pp, dp
+
+
+def init_model_parallel(seed: int, spec: MegatronSpec | None = None) -> None:
+    """Megatron's parallel state with the run's tensor / pipeline sizes (megatron_parallel.py; data parallel
+    = what is left of the world size), and on CUDA its RNG tracker (model_parallel_cuda_manual_seed),
+    which attention's dropout region forks."""
     from megatron.core import parallel_state, tensor_parallel
 
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(**model_parallel_kwargs(spec or MegatronSpec()))
     # Seed the tracker once per process: a second engine (the KL reference) must not reset CUDA's RNG.
     if torch.cuda.is_available() and not tensor_parallel.get_cuda_rng_tracker().is_initialized():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -122,7 +160,7 @@ def te_available() -> bool:
 
 
 def build_gpt_model(model_cfg: ModelConfig, recipe: str = "bf16", fp8: Fp8Spec | None = None, *,
-                    use_te: bool = True, device: str = "cuda") -> nn.Module:
+                    use_te: bool = True, device: str = "cuda", parallel: MegatronSpec | None = None) -> nn.Module:
     """An uninitialized GPTModel of our architecture (weights to be loaded), FP32 parameters.
 
     use_te: the Transformer Engine layer spec (required for FP8); else Megatron's local spec
@@ -135,7 +173,8 @@ def build_gpt_model(model_cfg: ModelConfig, recipe: str = "bf16", fp8: Fp8Spec |
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = transformer_config_kwargs(model_cfg, recipe, fp8)
+    kw = {**transformer_config_kwargs(model_cfg, recipe, fp8),
+          **transformer_parallel_kwargs(parallel or MegatronSpec())}
     if kw.get("fp8") and not use_te:
         raise ValueError(f"recipe {recipe!r}: FP8 training needs the Transformer Engine layer spec (use_te=True)")
     config = TransformerConfig(**kw, use_cpu_initialization=device == "cpu", perform_initialization=False)
@@ -163,14 +202,26 @@ def gpt_logits(gpt: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Te
 
 
 class GPTAsCausalLM(nn.Module):
-    """A GPTModel called like our CausalLM: (input_ids [B, T], attention_mask [B, T] | None) -> logits."""
+    """A GPTModel called like our CausalLM: (input_ids [B, T], attention_mask [B, T] | None) -> logits.
 
-    def __init__(self, gpt: nn.Module) -> None:
+    pad_to > 1: the batch is right-padded to B x T' a multiple of pad_to (Transformer Engine's FP8
+    layers; megatron_parallel.padded_length) and the logits are cut back to T: right padding never
+    changes a real token's logits under causal attention.
+    """
+
+    def __init__(self, gpt: nn.Module, pad_to: int = 1) -> None:
         super().__init__()
-        self.gpt = gpt
+        self.gpt, self.pad_to = gpt, pad_to
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return gpt_logits(self.gpt, input_ids, attention_mask)
+        b, t = input_ids.shape
+        extra = padded_length(b, t, self.pad_to) - t
+        if extra:
+            input_ids = F.pad(input_ids, (0, extra))
+            if attention_mask is None:
+                attention_mask = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)
+            attention_mask = F.pad(attention_mask.bool(), (0, extra))
+        return gpt_logits(self.gpt, input_ids, attention_mask)[:, :t]
 
 
 def uses_te_norms(gpt: nn.Module) -> bool:
@@ -187,6 +238,18 @@ def _check_te_scales(fp8: Fp8Spec) -> None:
                            f"{fp8.power_of_two_scales}: set {FP32_SCALES_ENV} in the job environment")
 
 
+def _to_host(obj: Any) -> Any:
+    """A copy of a nested state (dicts, lists, tuples) with every tensor copied to the CPU (a new tensor
+    even when it is already there, so the checkpoint never aliases live parameters or moments)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
 class MegatronTrainingEngine:
     """TrainingEngine (fp8rl_core/engines/base.py) on Megatron-Core's GPTModel.
 
@@ -199,15 +262,17 @@ class MegatronTrainingEngine:
         recipe = get_recipe(cfg.recipe)
         require_megatron(recipe.fp8_training)
         apply_env(fp8_env(cfg.recipe, cfg.fp8))  # before anything imports transformer_engine
-        from fp8rl_core.model.hf_io import load_pretrained, read_hf_config
+        from fp8rl_core.model.hf_io import load_pretrained, read_model_config
 
-        model_cfg = ModelConfig.from_hf_dict(read_hf_config(Path(path)))
-        _, _, local_rank = init_distributed("nccl")
+        model_cfg = read_model_config(Path(path))
+        _, world, local_rank = init_distributed("nccl")
+        check_layout(cfg.engines.megatron, world, model_cfg)
         torch.cuda.set_device(local_rank)
-        init_model_parallel(cfg.seed)
+        init_model_parallel(cfg.seed, cfg.engines.megatron)
         if recipe.fp8_training:
             _check_te_scales(cfg.fp8)
-        gpt = build_gpt_model(model_cfg, cfg.recipe, cfg.fp8, use_te=te_available(), device="cuda")
+        gpt = build_gpt_model(model_cfg, cfg.recipe, cfg.fp8, use_te=te_available(), device="cuda",
+                              parallel=cfg.engines.megatron)
         hf_state = load_pretrained(Path(path), dtype=torch.float32).state_dict()
         self._attach(gpt, model_cfg, hf_state, cfg)
 
@@ -224,8 +289,9 @@ class MegatronTrainingEngine:
         load_megatron_state(gpt, hf_to_megatron(hf_state, model_cfg, te_fused_norms=uses_te_norms(gpt)))
         self.gpt, self.model_config = gpt, model_cfg
         # FP8 runs inside TE's layers (TransformerConfig.fp8), so the shared engine does no Fp8Linear swap.
+        pad_to = cfg.engines.megatron.pad_tokens_to if get_recipe(cfg.recipe).fp8_training else 1
         self.inner = NativeTrainingEngine(
-            GPTAsCausalLM(gpt), fp8_training=False, loss=cfg.loss, optim=cfg.optim,
+            GPTAsCausalLM(gpt, pad_to), fp8_training=False, loss=cfg.loss, optim=cfg.optim,
             temperature=cfg.rollout.temperature,
             compute_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32)
 
@@ -252,9 +318,11 @@ class MegatronTrainingEngine:
         return megatron_to_hf({k: p.detach() for k, p in self.gpt.named_parameters()}, self.model_config)
 
     def state_dict(self) -> dict[str, Any]:
-        """Copies of the weights (HF names), AdamW state and the step: loadable with weights_only=True."""
-        return {"model": {k: v.detach().clone() for k, v in self.weights().items()},
-                "optimizer": copy.deepcopy(self.inner.optimizer.state_dict()), "step": self.inner.step}
+        """Host copies of the weights (HF names), AdamW state and the step: loadable with weights_only=True.
+        Staged on the CPU tensor by tensor: nothing is cloned on the GPU (an 8B model's weights and
+        AdamW state would need about +90 GiB there)."""
+        return {"model": {k: _to_host(v) for k, v in self.weights().items()},
+                "optimizer": _to_host(self.inner.optimizer.state_dict()), "step": self.inner.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_megatron_state(self.gpt, hf_to_megatron(state["model"], self.model_config,

@@ -41,6 +41,7 @@ from fp8rl_core.engines.kv_cache import KVCache, decode_attention, group_prompts
 from fp8rl_core.engines.sampling import sample_next, validate_sampling
 from fp8rl_core.fp8 import Fp8Weight, fp8_linear, quantize_weight
 from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.rope import inv_freq as rope_inv_freq
 
 FP8_BLOCK = 128
 
@@ -128,14 +129,18 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
     return FusedLinear(q, None, starts, sizes, spec.power_of_two_scales, spec.check_finite)
 
 
-def rope_cache(head_dim: int, theta: float, length: int, dtype: torch.dtype, device: torch.device | str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+ROPE_CACHE_START = 4096  # initial cache length (grown on demand): not a 131072-row cache for Llama-3.1
+
+
+def rope_cache(head_dim: int, theta: float, length: int, dtype: torch.dtype, device: torch.device | str,
+               scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin_signed [length, head_dim] for positions 0..length-1, computed in FP32 as HF does, cast to dtype.
 
-    angle[p, j] = p * theta^(-2j/D) (j < D/2, duplicated over both halves); sin_signed negates the first
-    half, so that rotate_half(x) * sin == roll(x, D/2) * sin_signed.
+    angle[p, j] = p * inv_freq_j (model/rope.py: theta^(-2j/D), then the config's linear / llama3
+    scaling; j < D/2, duplicated over both halves); sin_signed negates the first half, so that
+    rotate_half(x) * sin == roll(x, D/2) * sin_signed.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=device)
     angles = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     sin = emb.sin()
@@ -174,8 +179,9 @@ class NativeGenerationEngine:
         self.embed: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
-        self._cos, self._sin = rope_cache(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                          dtype, self.device)
+        self._cos, self._sin = rope_cache(config.head_dim, config.rope_theta,
+                                          min(config.max_position_embeddings, ROPE_CACHE_START), dtype,
+                                          self.device, config.rope_scaling)
 
     # ---- weights -------------------------------------------------------------------------------
     def is_fp8_block(self, layer: int) -> bool:
@@ -190,7 +196,8 @@ class NativeGenerationEngine:
         Raises KeyError naming missing/unexpected keys and ValueError naming a tensor of the wrong shape.
         """
         expected = expected_shapes(self.config)
-        check_state_dict(weights, expected, self.config.tie_word_embeddings)
+        # shapes and dtypes only: from the shards of a sharded trainer's GatheredWeights (no all-gather)
+        check_state_dict(getattr(weights, "shards", weights), expected, self.config.tie_word_embeddings)
 
         def get(name: str) -> torch.Tensor:
             return weights[name].detach().to(device=self.device, dtype=self.dtype, copy=True)
@@ -219,9 +226,9 @@ class NativeGenerationEngine:
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin_signed gathered at positions Long[...] -> [..., 1, D] (broadcast over heads)."""
         need = int(positions.max()) + 1
-        if need > self._cos.shape[0]:  # plain RoPE extrapolates; grow the cache rather than fail
+        if need > self._cos.shape[0]:  # RoPE extrapolates; grow the cache rather than fail
             self._cos, self._sin = rope_cache(self.config.head_dim, self.config.rope_theta, 2 * need,
-                                              self.dtype, self.device)
+                                              self.dtype, self.device, self.config.rope_scaling)
         return self._cos[positions].unsqueeze(-2), self._sin[positions].unsqueeze(-2)
 
     def _qkv(self, blk: Block, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -313,8 +320,7 @@ class NativeGenerationEngine:
     # ---- generation ----------------------------------------------------------------------------
     @property
     def pad_id(self) -> int:
-        cfg = self.config
-        return cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_token_id or 0)
+        return self.config.pad_id
 
     def _check_prompts(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -328,7 +334,8 @@ class NativeGenerationEngine:
         """Sample up to sampling.max_new_tokens tokens after each prompt (see GenerationOutput).
 
         R (the output width) is the number of decode steps run: max_new_tokens, or fewer when every
-        row has emitted EOS. A row keeps emitting pad after its EOS (masked out, log-prob 0).
+        row has emitted EOS (any id of config.eos_ids: Llama-3.1-Instruct ends a turn with its third).
+        A row keeps emitting pad after its EOS (masked out, log-prob 0).
         """
         self._check_ready()
         validate_sampling(sampling)
@@ -348,14 +355,15 @@ class NativeGenerationEngine:
         out_lp = torch.zeros((b, steps), dtype=torch.float32, device=dev)
         out_mask = torch.zeros((b, steps), dtype=torch.bool, device=dev)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
+        stops = torch.tensor(cfg.eos_ids, dtype=torch.long, device=dev)  # every EOS id ends a row
         taken = 0
         for step in range(steps):
             tokens, logp = sample_next(logits, sampling, self.generator)
             out_ids[:, step] = tokens.masked_fill_(done, self.pad_id)
             out_lp[:, step] = logp.masked_fill_(done, 0.0)
             out_mask[:, step] = ~done
-            if cfg.eos_token_id is not None:
-                done |= tokens == cfg.eos_token_id
+            if len(stops):
+                done |= torch.isin(tokens, stops)
             taken = step + 1
             if taken == steps or bool(done.all()):
                 break

@@ -76,6 +76,9 @@ _SHARE, _MEAN = ("loss", "pg_loss", "kl"), ("clip_fraction", "ratio_mean", "entr
 Importance = Callable[[TrainBatch], torch.Tensor]  # sub-batch with old_logprobs set -> is_weights [b, T]
 
 
+GRAD_REDUCE = ("micro_batch", "step")  # when sharded gradients are reduce-scattered (see grad_reduce)
+
+
 class NativeTrainingEngine:
     """TrainingEngine (fp8rl_core/engines/base.py) on our CausalLM.
 
@@ -87,6 +90,11 @@ class NativeTrainingEngine:
     micro_batch_size / logprob_batch_size: sequences per forward(/backward) of train_step / logprobs
                   (0: the whole batch); cpu_offload: FSDP2 CPUOffloadPolicy; activation_checkpointing:
                   recompute each block in backward.
+    grad_reduce:  sharded only: "micro_batch" reduce-scatters after every micro-batch's backward
+                  (gradients stay sharded); "step" only after the last one (one collective per step,
+                  but each rank accumulates the full unsharded gradient in between).
+    reshard_after_forward: sharded only: False keeps each block's gathered weights from forward to
+                  backward (one all-gather per micro-batch instead of two; a full weight copy per rank).
     One `train_step` is one optimizer step; the caller splits a rollout batch into micro-steps.
     """
 
@@ -94,7 +102,10 @@ class NativeTrainingEngine:
                  loss: LossSpec | None = None, optim: OptimSpec | None = None, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
+                 reshard_after_forward: bool = True) -> None:
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
         if bad:
             raise ValueError(f"model: master weights must be float32; {bad[0]} is {model.get_parameter(bad[0]).dtype}")
@@ -108,7 +119,8 @@ class NativeTrainingEngine:
         self.mesh = mesh or SINGLE
         self.micro_batch_size, self.logprob_batch_size = int(micro_batch_size), int(logprob_batch_size)
         self._device = next(model.parameters()).device  # the compute device (shards may be offloaded)
-        _parallelize(model, self.mesh, cpu_offload, activation_checkpointing)
+        self.grad_reduce = grad_reduce
+        _parallelize(model, self.mesh, cpu_offload, activation_checkpointing, reshard_after_forward)
         o = self.optim_spec
         self.params = list(model.parameters())  # tied weights appear once; DTensor shards when sharded
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps,
@@ -197,7 +209,8 @@ class NativeTrainingEngine:
         sums = dict.fromkeys(_SHARE + _MEAN, 0.0)
         ratio_max, bad = 0.0, 0
         olds, weights = [], []
-        for rows in chunks:
+        for i, rows in enumerate(chunks):
+            self._sync_gradients(last=i == len(chunks) - 1)
             sub = _rows(batch, rows)
             (_, mask), entropy, loss, m = self._loss(sub, importance, max(n_global, 1.0))
             n = float(mask.sum())
@@ -223,6 +236,11 @@ class NativeTrainingEngine:
             self.optimizer.zero_grad(set_to_none=True)
             self._raise_non_finite_loss(out["loss"])
         return out, self._clip_and_step(out["loss"])
+
+    def _sync_gradients(self, last: bool) -> None:
+        """grad_reduce "step": FSDP2 skips the reduce-scatter of every backward but the step's last."""
+        if self.mesh.distributed and self.grad_reduce == "step":
+            self.model.set_requires_gradient_sync(last)
 
     def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                  attention_mask: torch.Tensor | None = None) -> dict[str, float]:
@@ -285,7 +303,8 @@ class NativeTrainingEngine:
         self.step = int(state["step"])
 
 
-def _parallelize(model: torch.nn.Module, mesh: Mesh, cpu_offload: bool, activation_checkpointing: bool) -> None:
+def _parallelize(model: torch.nn.Module, mesh: Mesh, cpu_offload: bool, activation_checkpointing: bool,
+                 reshard_after_forward: bool = True) -> None:
     """Activation checkpointing, then FSDP2 over the mesh (world size > 1); nothing at world size 1
     (cpu_offload then only applies to the reference policy, fp8rl_core/engines/native_train.py)."""
     if activation_checkpointing or mesh.distributed:
@@ -294,7 +313,7 @@ def _parallelize(model: torch.nn.Module, mesh: Mesh, cpu_offload: bool, activati
         if activation_checkpointing:
             parallel.apply_activation_checkpointing(model)
         if mesh.distributed:
-            parallel.shard_model(model, mesh, cpu_offload=cpu_offload)
+            parallel.shard_model(model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
 
 
 def _chunked_logprobs(forward, batch: TrainBatch, temperature: float, chunk: int) -> torch.Tensor:

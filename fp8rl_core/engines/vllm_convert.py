@@ -2,6 +2,9 @@
 
 vllm_gen.py calls vLLM; this file decides what to send it and reads back what it returns:
 - `availability_error`: why the backend cannot run here (no vLLM, no CUDA), with the fix;
+- `resolve_max_model_len` / `longest_prompt_tokens` / `free_memory_error`: the KV bound (longest prompt +
+  max_new_tokens, not the model's 131072) and the start-up memory check, from the run config's
+  engines.vllm section (which replaces the old FP8RL_VLLM_* variables: `warn_deprecated_env`);
 - `fp8_quantization_config` / `llm_kwargs`: the `vllm.LLM(...)` arguments. FP8 recipes load a blockwise
   FP8 checkpoint and override its config with NeMo RL's quantization_config
   {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}, plus
@@ -26,14 +29,15 @@ temperature), which match only at T=1: `sampling_kwargs` refuses other temperatu
 from __future__ import annotations
 
 import os
+import random
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config import Fp8Spec, VllmSpec
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.native_gen import check_state_dict, expected_shapes
 from fp8rl_core.model.config import ModelConfig
@@ -62,26 +66,65 @@ def availability_error(has_vllm: bool, has_cuda: bool) -> str | None:
 
 
 # ---- engine construction -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class VllmOptions:
-    """Engine knobs with no place in RunConfig, read from the environment (`options_from_env`).
-
-    gpu_memory_utilization: share of the GPU vLLM reserves (weights + KV cache); the trainer runs in
-      the same process, so the default leaves it most of the memory. FP8RL_VLLM_GPU_MEMORY_UTILIZATION.
-    enforce_eager: no CUDA-graph capture (fast start; tiny models gain nothing). FP8RL_VLLM_ENFORCE_EAGER.
-    """
-
-    gpu_memory_utilization: float = 0.3
-    enforce_eager: bool = True
+DEPRECATED_ENV = {"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "engines.vllm.gpu_memory_utilization",
+                  "FP8RL_VLLM_ENFORCE_EAGER": "engines.vllm.enforce_eager"}
+HALF_DTYPES = ("bfloat16", "float16")  # the activations vLLM's FP8 method runs with
 
 
-def options_from_env(env: Mapping[str, str] | None = None) -> VllmOptions:
+def warn_deprecated_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """Warn (DeprecationWarning) for each FP8RL_VLLM_* variable still set: they are ignored now, the run
+    config's engines.vllm section replaces them. Returns the names found."""
     env = os.environ if env is None else env
-    util = float(env.get("FP8RL_VLLM_GPU_MEMORY_UTILIZATION", VllmOptions.gpu_memory_utilization))
-    if not 0 < util <= 1:
-        raise ValueError(f"FP8RL_VLLM_GPU_MEMORY_UTILIZATION: must be in (0, 1], got {util}")
-    eager = env.get("FP8RL_VLLM_ENFORCE_EAGER", "1").strip().lower() not in ("0", "false", "no", "")
-    return VllmOptions(gpu_memory_utilization=util, enforce_eager=eager)
+    found = [name for name in DEPRECATED_ENV if name in env]
+    for name in found:
+        warnings.warn(f"{name} is ignored (deprecated): set {DEPRECATED_ENV[name]} in the run config instead",
+                      DeprecationWarning, stacklevel=2)
+    return found
+
+
+def longest_prompt_tokens(task: Any, tokenizer: Any, sample: int = 4096) -> int:
+    """Tokens of the longest prompt the run can send (BOS included): every example a task holds
+    (`train_examples` where it keeps them, JSONL; and `val_examples`), plus `sample` seeded training
+    draws for a task that generates its prompts (arithmetic: lengths are bounded by its digits)."""
+    examples = list(getattr(task, "train_examples", None) or []) + list(task.val_examples)
+    if not getattr(task, "train_examples", None):
+        examples += task.sample_train(random.Random(0), sample)
+    return max(len(tokenizer.encode(e.prompt)) for e in examples)
+
+
+def resolve_max_model_len(spec: VllmSpec, longest_prompt: int, max_new_tokens: int,
+                          max_position_embeddings: int) -> int:
+    """engines.vllm.max_model_len, or longest prompt + max_new_tokens; never above what the model allows."""
+    want = spec.max_model_len if spec.max_model_len is not None else longest_prompt + max_new_tokens
+    if want > max_position_embeddings:
+        key = "engines.vllm.max_model_len" if spec.max_model_len is not None else \
+            "the longest prompt + rollout.max_new_tokens"
+        raise ValueError(f"{key} = {want} tokens exceeds the model's max_position_embeddings "
+                         f"({max_position_embeddings}); valid: <= {max_position_embeddings}")
+    if want < longest_prompt + max_new_tokens:
+        raise ValueError(f"engines.vllm.max_model_len: {want} tokens cannot hold the longest prompt ({longest_prompt}) "
+                         f"+ rollout.max_new_tokens ({max_new_tokens}); valid: >= {longest_prompt + max_new_tokens}, "
+                         "or null")
+    return int(want)
+
+
+def free_memory_error(free: int, total: int, spec: VllmSpec) -> str | None:
+    """Why vLLM cannot start on a GPU with `free` of `total` bytes free, or None.
+
+    vLLM refuses to start unless gpu_memory_utilization x total bytes are free (its start-up check);
+    with kv_cache_memory_bytes the KV cache is sized in bytes instead and nothing is checked here.
+    """
+    if spec.kv_cache_memory_bytes is not None or total <= 0:
+        return None
+    need = spec.gpu_memory_utilization * total
+    if free >= need:
+        return None
+    fits = max(int(free / total * 100) / 100 - 0.01, 0.0)
+    gib = 2**30
+    return (f"engines.vllm.gpu_memory_utilization={spec.gpu_memory_utilization}: vLLM needs {need / gib:.1f} GiB "
+            f"free at start, the GPU has {free / gib:.1f} of {total / gib:.1f} GiB free (the trainer and the "
+            f"reference are already resident); valid: <= {fits:.2f}, or engines.vllm.kv_cache_memory_bytes, or "
+            "more ranks / parallel.cpu_offload so that the trainer holds less")
 
 
 def fp8_weight_names(config: ModelConfig, spec: Fp8Spec) -> list[str]:
@@ -101,19 +144,37 @@ def fp8_quantization_config(config: ModelConfig, spec: Fp8Spec) -> dict[str, Any
 
 
 def llm_kwargs(model_path: str | Path, config: ModelConfig, *, fp8: bool, spec: Fp8Spec, dtype: str,
-               seed: int, options: VllmOptions, supported: Iterable[str]) -> dict[str, Any]:
+               seed: int, vllm: VllmSpec, max_model_len: int, supported: Iterable[str]) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for our checkpoint folder.
 
-    dtype: "bfloat16" | "float32" (the run's model.dtype); supported: the names vllm.EngineArgs accepts
-    (optional arguments of newer versions, such as logprobs_mode, are passed only when listed).
-    Tokenizer init is skipped: prompts arrive as token ids and EOS is a stop token id.
+    dtype: "bfloat16" | "float32" (the run's model.dtype; FP8 needs bfloat16/float16); vllm: the run
+    config's engines.vllm; max_model_len: resolve_max_model_len's; supported: the names
+    vllm.EngineArgs accepts (optional arguments of newer versions, such as logprobs_mode, are passed
+    only when listed; a requested one that is missing raises). Tokenizer init is skipped: prompts
+    arrive as token ids and the EOS ids are stop token ids. Sleep mode (engines.vllm.sleep_between_steps):
+    enable_sleep_mode=True, so that the engine can give its GPU memory back while the trainer runs.
     """
     supported = set(supported)
+    if fp8 and dtype not in HALF_DTYPES:
+        raise ValueError(f"model.dtype: vLLM's FP8 method runs {' / '.join(HALF_DTYPES)} activations only, got "
+                         f"{dtype!r}; valid: bf16, or engines.generation=native")
     kw: dict[str, Any] = {
         "model": str(model_path), "dtype": dtype, "seed": int(seed), "skip_tokenizer_init": True,
-        "max_model_len": int(config.max_position_embeddings), "enforce_eager": options.enforce_eager,
-        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "max_model_len": int(max_model_len), "enforce_eager": vllm.enforce_eager,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "tensor_parallel_size": int(vllm.tensor_parallel_size),
     }
+    optional = {"kv_cache_memory_bytes": vllm.kv_cache_memory_bytes, "max_num_seqs": vllm.max_num_seqs,
+                "enable_sleep_mode": True if vllm.sleep_between_steps else None}
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if supported and name not in supported:
+            key = "sleep_between_steps" if name == "enable_sleep_mode" else name
+            off = "false" if name == "enable_sleep_mode" else "null"
+            raise ValueError(f"engines.vllm.{key}: this vLLM has no {name!r} engine argument; valid: "
+                             f"engines.vllm.{key}={off}, or the tested vLLM (pip install 'fp8rl[gpu]')")
+        kw[name] = value
     if fp8:
         kw["quantization"] = "fp8"
         kw["hf_overrides"] = {"quantization_config": fp8_quantization_config(config, spec)}
@@ -196,12 +257,21 @@ def choose_refit_method(reload_params: Sequence[str] | None, fp8: bool) -> str:
 
 
 # ---- sampling ------------------------------------------------------------------------------------
-def sampling_kwargs(sampling: SamplingParams, eos_token_id: int | None, logprobs_mode: str) -> dict[str, Any]:
+def eos_list(eos: int | Sequence[int] | None) -> list[int]:
+    """The stop ids as a list: an id, a sequence of ids (ModelConfig.eos_ids), or None (none)."""
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def sampling_kwargs(sampling: SamplingParams, eos: int | Sequence[int] | None, logprobs_mode: str) -> dict[str, Any]:
     """`vllm.SamplingParams` keyword arguments for one request (add `seed`).
 
     Greedy -> temperature 0 (vLLM's greedy). top_k 0 (off) and top_p 1 are left at vLLM's defaults.
-    logprobs=1 returns the sampled token's log-prob (plus the top-1). EOS is a stop token id (the
-    tokenizer is not loaded), kept in the output as vLLM does for stop ids.
+    logprobs=1 returns the sampled token's log-prob (plus the top-1). Every EOS id (ModelConfig.eos_ids:
+    config.json's and generation_config.json's, e.g. Llama-3.1-Instruct's 128001, 128008, 128009) is a
+    stop token id: the tokenizer is not loaded (skip_tokenizer_init), so vLLM knows no EOS of its own
+    beyond the config's first; stop ids are kept in the output, as vLLM does.
     """
     if logprobs_mode != PROCESSED and not sampling.greedy and sampling.temperature != 1.0:
         raise ValueError(f"sampling.temperature={sampling.temperature}: this vLLM reports raw log-probs "
@@ -214,8 +284,9 @@ def sampling_kwargs(sampling: SamplingParams, eos_token_id: int | None, logprobs
             kw["top_p"] = float(sampling.top_p)
         if sampling.top_k > 0:
             kw["top_k"] = int(sampling.top_k)
-    if eos_token_id is not None:
-        kw["stop_token_ids"] = [int(eos_token_id)]
+    stops = eos_list(eos)
+    if stops:
+        kw["stop_token_ids"] = stops
     return kw
 
 
@@ -236,13 +307,14 @@ def _logprob_of(step: Any, token: int, row: int, t: int) -> float:
     return float(getattr(entry, "logprob", entry))
 
 
-def to_generation_output(outputs: Sequence[Any], eos_token_id: int | None, pad_id: int) -> GenerationOutput:
+def to_generation_output(outputs: Sequence[Any], eos: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
     """B vLLM RequestOutputs (in prompt order) -> GenerationOutput (CPU tensors).
 
     Each output's first completion gives token_ids [n] and logprobs [n] ({token_id: Logprob} per step).
-    A row is cut after its first EOS (kept, masked in); R = the longest row; shorter rows are
-    right-padded with pad_id, logprob 0, mask False. finished[b]: the row contains EOS.
+    A row is cut after its first EOS, any id of `eos` (kept, masked in); R = the longest row; shorter
+    rows are right-padded with pad_id, logprob 0, mask False. finished[b]: the row contains an EOS.
     """
+    stops = set(eos_list(eos))
     rows: list[tuple[list[int], list[float], bool]] = []
     for b, out in enumerate(outputs):
         comp = out.outputs[0]
@@ -250,9 +322,10 @@ def to_generation_output(outputs: Sequence[Any], eos_token_id: int | None, pad_i
         if comp.logprobs is None or len(comp.logprobs) < len(ids):
             raise RuntimeError(f"vLLM output row {b}: {0 if comp.logprobs is None else len(comp.logprobs)} "
                                f"log-prob entries for {len(ids)} tokens; SamplingParams.logprobs must be set")
-        done = eos_token_id is not None and eos_token_id in ids
+        first = next((t for t, tok in enumerate(ids) if tok in stops), None)
+        done = first is not None
         if done:
-            ids = ids[: ids.index(eos_token_id) + 1]
+            ids = ids[: first + 1]
         rows.append((ids, [_logprob_of(comp.logprobs[t], tok, b, t) for t, tok in enumerate(ids)], done))
     B, R = len(rows), max((len(r[0]) for r in rows), default=0)
     response_ids = torch.full((B, R), pad_id, dtype=torch.long)

@@ -8,12 +8,22 @@ recipes (1x128 A, 128x128 B) and (1x128 A, 1x128 B). cuBLASLt wants (torch check
   scale_b (1x128) [N, K/128] with strides (1, N);
   K and N padded to multiples of 128 (zero data, unit scales), M to a multiple of 4.
 Availability is probed once per device with a small GEMM checked against the emulation.
-"te" (Transformer Engine's GEMM on our own quantized tensors) is not implemented: TE's blockwise
+There is no "te" executor (Transformer Engine's GEMM on our own quantized tensors): TE's blockwise
 tensor layouts are internal and version-specific; the Megatron-Core backend uses TE end to end.
+
+Output dtype: the kernel is asked for FP32 output (the exact accumulation, cast once by the caller).
+Some cuBLAS builds accept BF16 output only; when an FP32-output call raises and the same call with
+BF16 output works, that device switches to BF16 output — never silently: a RuntimeWarning once per
+device with the error, and `fallbacks()` / gemm.executor_flags() record it (a flag a run can log).
+FP8RL_GEMM_NO_FALLBACK=1 raises the FP32 error instead. If the BF16 call fails too, the FP32 error
+is raised (nothing is switched).
 """
 from __future__ import annotations
 
 import functools
+import os
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +31,33 @@ import torch.nn.functional as F
 from fp8rl_core.fp8.operand import Operand
 
 _OUT_DTYPES: dict[int, torch.dtype] = {}  # device index -> output dtype the kernel accepted
+_FALLBACKS: dict[int, str] = {}  # device index -> the FP32-output error that switched it to BF16 output
+NO_FALLBACK_ENV = "FP8RL_GEMM_NO_FALLBACK"
+
+
+def fallbacks() -> dict[int, str]:
+    """Devices whose scaled GEMM fell back to BF16 output, with the FP32-output error (a copy)."""
+    return dict(_FALLBACKS)
+
+
+def call_with_output_fallback(dev: int, call: Callable[[torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """call(out_dtype) with the device's output dtype (FP32 until a fallback); see the module docstring."""
+    kernel_dtype = _OUT_DTYPES.get(dev, torch.float32)
+    try:
+        return call(kernel_dtype)
+    except RuntimeError as fp32_error:
+        if kernel_dtype != torch.float32 or os.environ.get(NO_FALLBACK_ENV, "0") not in ("", "0"):
+            raise
+        try:
+            out = call(torch.bfloat16)
+        except RuntimeError:
+            raise fp32_error from None
+        _OUT_DTYPES[dev] = torch.bfloat16
+        _FALLBACKS[dev] = f"{type(fp32_error).__name__}: {str(fp32_error).strip().splitlines()[0][:300]}"
+        warnings.warn(f"cuda:{dev}: blockwise scaled_mm with FP32 output failed ({_FALLBACKS[dev]}); this device "
+                      f"now runs FP8 GEMMs with BF16 output (one extra rounding per GEMM). "
+                      f"{NO_FALLBACK_ENV}=1 raises instead.", RuntimeWarning, stacklevel=3)
+        return out
 
 
 def _round_up(x: int, m: int) -> int:
@@ -59,14 +96,8 @@ def run_scaled_mm(a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tenso
     sa, sb = _scales(a, b, mp, np_, kp // 128)
     recipe_b = F.ScalingType.BlockWise128x128 if b.block[0] == 128 else F.ScalingType.BlockWise1x128
     dev = a.q.device.index or 0
-    kernel_dtype = _OUT_DTYPES.get(dev, torch.float32)
-    try:
-        c = F.scaled_mm(qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=kernel_dtype)
-    except RuntimeError:
-        if kernel_dtype != torch.float32:
-            raise
-        _OUT_DTYPES[dev] = kernel_dtype = torch.bfloat16  # some cuBLAS builds: BF16 output only
-        c = F.scaled_mm(qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=kernel_dtype)
+    c = call_with_output_fallback(dev, lambda dtype: F.scaled_mm(
+        qa, qb.t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=dtype))
     return c[:m, :n].to(out_dtype)
 
 
@@ -105,7 +136,4 @@ def run(name: str, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tens
         raise ValueError(f"executor {name!r} needs CUDA tensors, got {a.q.device}; use 'emulated'")
     if name == "scaled_mm":
         return run_scaled_mm(a, b, out_dtype)
-    raise NotImplementedError(
-        f"executor {name!r} is not implemented; use 'scaled_mm' (Hopper) or 'emulated' "
-        "(Transformer Engine is used end to end by the Megatron-Core backend instead)"
-    )
+    raise ValueError(f"executor {name!r} is not a CUDA executor; valid: scaled_mm")

@@ -9,7 +9,8 @@ quantized along K with the same K-block (128); A's blocks are (1, 128) (or (128,
   "emulated"            FP32 GEMM of the dequantized operands (any device; the CPU default), emulate.py
   "emulated_blockwise"  DeepSeek's per-K-block order literally (reference; slower), emulate.py
   "scaled_mm"           torch blockwise scaled_mm on Hopper (SM90, cuBLAS >= 12.9), cuda_exec.py
-  "te"                  Transformer Engine's blockwise FP8 GEMM, cuda_exec.py
+(There is no "te" executor: Transformer Engine runs FP8 end to end inside the Megatron-Core backend.)
+`executor_flags()`: what a run can log about the GEMMs so far (a BF16-output fallback, cuda_exec.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from fp8rl_core.fp8.operand import Operand
 from fp8rl_core.fp8.quant import FP8_DTYPE, Block, check_block, scale_shape
 
-EXECUTORS = ("emulated", "emulated_blockwise", "scaled_mm", "te")
+EXECUTORS = ("emulated", "emulated_blockwise", "scaled_mm")
 ENV_VAR = "FP8RL_GEMM"
 
 
@@ -38,6 +39,15 @@ def select_executor(device: torch.device | str, override: str | None = None) -> 
         available = cuda_exec.available_executors(device)
         return available[0] if available else "emulated"
     return "emulated"
+
+
+def executor_flags() -> dict[str, float]:
+    """{"fp8_gemm_bf16_output_fallback": 1.0} once any CUDA device fell back from FP32 to BF16 GEMM
+    output (cuda_exec.py; it also warned), else {}: a flag to log with a step's metrics."""
+    import sys
+
+    cuda_exec = sys.modules.get("fp8rl_core.fp8.cuda_exec")  # never imported: no CUDA GEMM ran, nothing to say
+    return {"fp8_gemm_bf16_output_fallback": 1.0} if cuda_exec is not None and cuda_exec.fallbacks() else {}
 
 
 def _check_operands(a: Operand, b: Operand) -> None:

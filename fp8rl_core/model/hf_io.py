@@ -20,10 +20,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from fp8rl_core.atomic import fsync_dir, fsync_file
-from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.config import ModelConfig, merge_eos_ids
 from fp8rl_core.model.llama import CausalLM
 
 CONFIG, WEIGHTS, INDEX, TOKENIZER = "config.json", "model.safetensors", "model.safetensors.index.json", "tokenizer.json"
+GENERATION_CONFIG = "generation_config.json"  # HF's sampling defaults; may list more EOS ids than config.json
 FP8_BLOCK = (128, 128)
 # The `quantization_config` of a block-FP8 checkpoint (DeepSeek-V3 / vLLM / transformers' fp8 method)
 FP8_BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -37,7 +38,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype = torch.float32,
     """Our model with the weights of the HF checkpoint folder `path`, parameters in `dtype`."""
     path = Path(path)
     hf = read_hf_config(path)
-    cfg = ModelConfig.from_hf_dict(hf)
+    cfg = model_config_of(hf, path)
     state = dequantize_state(read_safetensors(path), fp8_block_of(hf, path), path)
     with torch.device("meta"):
         model = CausalLM(cfg)  # no memory, no init: every tensor comes from the checkpoint
@@ -57,6 +58,25 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no config.json; expected a local Hugging Face checkpoint folder")
     return json.loads(file.read_text())
+
+
+def read_generation_config(path: Path) -> dict[str, Any]:
+    """generation_config.json of a checkpoint folder, or {} when it has none."""
+    file = Path(path) / GENERATION_CONFIG
+    return json.loads(file.read_text()) if file.is_file() else {}
+
+
+def model_config_of(hf: dict[str, Any], path: Path) -> ModelConfig:
+    """ModelConfig of a checkpoint folder's config.json dict, its EOS ids merged with generation_config.json's
+    (Qwen2.5-Instruct's turn end 151645 is only there; Llama-3.1-Instruct lists 128001, 128008, 128009)."""
+    eos = merge_eos_ids(hf, read_generation_config(path))
+    return ModelConfig.from_hf_dict({**hf, "eos_token_id": eos})
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a local HF checkpoint folder (config.json + generation_config.json's EOS ids)."""
+    path = Path(path)
+    return model_config_of(read_hf_config(path), path)
 
 
 def fp8_block_of(hf: dict[str, Any], path: Path) -> tuple[int, int] | None:

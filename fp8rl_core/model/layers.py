@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.rope import inv_freq as rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -37,15 +38,15 @@ class RMSNorm(nn.Module):
         return self.weight.to(dtype) * h.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [B, 1, T, head_dim] for positions Long[B, T], computed in FP32, cast to dtype.
 
-    inv_freq_j = 1 / theta^(2j / head_dim), angle = position * inv_freq, duplicated over both halves
-    (HF's rotate_half layout, not the interleaved one).
+    inv_freq from model/rope.py (1 / theta^(2j / head_dim), then the config's linear / llama3 scaling),
+    angle = position * inv_freq, duplicated over both halves (HF's rotate_half layout, not the
+    interleaved one); computed on the fly at every call, as a trainer does.
     """
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device=positions.device)
     with torch.autocast(positions.device.type, enabled=False):
         angles = positions[..., None].float() * inv_freq  # [B, T, head_dim / 2]
         emb = torch.cat((angles, angles), dim=-1)
@@ -84,7 +85,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
+        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         h, qkv_bias = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=qkv_bias)
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, q.dtype)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, q.dtype, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv != self.n_heads:  # GQA: each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv

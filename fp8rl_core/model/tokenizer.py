@@ -37,13 +37,16 @@ class Tokenizer:
     """
 
     def __init__(self, tok: HFTokenizer, *, bos_id: int | None, eos_id: int, pad_id: int | None = None,
-                 strict: bool = True):
+                 strict: bool = True, extra_eos_ids: tuple[int, ...] | list[int] = ()):
         self.tok = tok
         self.bos_id, self.eos_id = bos_id, eos_id
+        # every id that ends a turn: eos_id first, then the model's other EOS ids (config.json and
+        # generation_config.json; Llama-3.1-Instruct ends a turn with <|eot_id|>, not <|end_of_text|>)
+        self.eos_ids = tuple(dict.fromkeys([eos_id, *(int(i) for i in extra_eos_ids)]))
         self.pad_id = eos_id if pad_id is None else pad_id
         self.strict = strict
         self.unk_id = _unk_id(tok)
-        for name, i in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", self.pad_id)):
+        for name, i in (("bos_id", bos_id), ("pad_id", self.pad_id), *(("eos_id", e) for e in self.eos_ids)):
             if i is not None and not 0 <= i < self.vocab_size:
                 raise ValueError(f"{name}={i} is outside the vocabulary [0, {self.vocab_size})")
 
@@ -63,10 +66,12 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], stop_at_eos: bool = True) -> str:
-        """Text of `ids` without special tokens; with stop_at_eos, everything from the first EOS is dropped."""
+        """Text of `ids` without special tokens; with stop_at_eos, everything from the first EOS (any id
+        of eos_ids) is dropped."""
         ids = [int(i) for i in ids]
-        if stop_at_eos and self.eos_id in ids:
-            ids = ids[: ids.index(self.eos_id)]
+        if stop_at_eos:
+            cut = next((t for t, i in enumerate(ids) if i in self.eos_ids), None)
+            ids = ids if cut is None else ids[:cut]
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def save(self, path: str | Path) -> Path:
@@ -89,7 +94,8 @@ class Tokenizer:
                   pad: int | str | None = None, strict: bool = True) -> Tokenizer:
         """Load a tokenizer.json (or a folder holding one). Special tokens, each an id or a token string:
         the arguments first, then the folder's tokenizer_config.json, then well-known spellings; PAD falls
-        back to EOS; a missing EOS is an error (generation could not stop)."""
+        back to EOS; a missing EOS is an error (generation could not stop). The `eos_token_id` ids of the
+        folder's config.json and generation_config.json become further stop ids (`eos_ids`)."""
         path = Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
@@ -102,7 +108,12 @@ class Tokenizer:
         pad_id = _find(tok, pad, cfg.get("pad_token"), _PAD_NAMES, "pad")
         if eos_id is None:
             raise ValueError(f"{file}: cannot tell which token is EOS; pass eos=<id or token string>")
-        return cls(tok, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, strict=strict)
+        extra = []
+        for name in ("config.json", "generation_config.json"):
+            f = file.parent / name
+            value = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+            extra += value if isinstance(value, list) else ([] if value is None else [value])
+        return cls(tok, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, strict=strict, extra_eos_ids=extra)
 
 
 def _unk_id(tok: HFTokenizer) -> int | None:

@@ -63,3 +63,50 @@ def importlib_missing(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is None
+
+
+# --- time limits: the overall deadline and the per-section budgets turn cases that may not start into
+# `skipped` rows naming the limit; the clock itself is tested with a fake time source
+
+def test_without_cuda_it_says_what_it_skipped(tmp_path):
+    proc = run(timeout=60)
+    assert proc.returncode == 0 and "skipped: sections a, b, c: no CUDA GPU" in proc.stdout
+
+
+def test_an_exhausted_deadline_skips_every_case_and_says_why(tmp_path):
+    out = tmp_path / "r.json"
+    proc = run("--allow-cpu", "--deadline", "0", "--sections", "a,b", "--sizes", "128", "--recipes", "bf16",
+               "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["rows"] and all(r["status"] == "skipped" for r in report["rows"])
+    assert all("overall deadline" in r["note"] for r in report["rows"])
+    assert report["deadline_s"] == 0 and report["sections_not_selected"] == ["c"]
+    tail = proc.stdout[proc.stdout.index("skipped:"):]
+    assert "- section c: not selected" in tail and "[a] Fp8Linear M=K=N=128: not started: overall deadline" in tail
+
+
+def test_section_budget_skips_only_that_section(tmp_path):
+    out = tmp_path / "r.json"
+    proc = run("--allow-cpu", "--budgets", "a=0", "--sections", "a", "--sizes", "128,64", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["skipped", "skipped"]
+    assert all("section a budget" in r["note"] and "--budgets a=" in r["note"] for r in rows)
+
+
+def test_clock_with_a_fake_time_source():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    now = [0.0]
+    clock = gpu_check.Clock(100.0, {"a": 30.0, "b": 50.0}, now=lambda: now[0])
+    assert clock.why_not("a") is None
+    now[0] = 27.0
+    assert "section a budget: 3 s left of 30 s" in clock.why_not("a")
+    assert clock.why_not("b") is None and clock.timeout("b", 300.0) == 50.0  # b's budget starts when b does
+    now[0] = 60.0
+    assert clock.timeout("b", 300.0) == 17.0 and clock.timeout("b", 10.0) == 10.0
+    now[0] = 97.0
+    assert "overall deadline: 3 s left of 100 s" in clock.why_not("b")
+    assert gpu_check.parse_budgets("a=10") == {"a": 10.0, "b": 150.0, "c": 240.0}

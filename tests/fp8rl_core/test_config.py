@@ -21,6 +21,7 @@ def test_defaults_and_overrides_typed():
     ("seed=true", "seed: expected an integer"),
     ("task.operators=[/]", "task.operators"),
     ("train", "train: an override must read key=value"),
+    ("parallel.grad_reduce=never", "parallel.grad_reduce: 'never' is not allowed; valid: micro_batch, step"),
 ])
 def test_bad_values_name_key_and_choices(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -42,6 +43,9 @@ def test_hash_ignores_where_to_write_but_not_what_to_compute():
     assert run_config_hash(a) == run_config_hash(b)
     assert run_config_hash(load_run_config(None, ["seed=1"])) != run_config_hash(b)
     assert run_config_hash(load_run_config(None, ["loss.is_cap=3"])) != run_config_hash(b)
+    # keys added after cell ids existed hash only where they differ from their defaults
+    assert run_config_hash(load_run_config(None, ["parallel.grad_reduce=micro_batch"])) == run_config_hash(b)
+    assert run_config_hash(load_run_config(None, ["parallel.grad_reduce=step"])) != run_config_hash(b)
 
 
 def test_roundtrip_through_dict():

@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -72,12 +72,30 @@ def test_parameter_count_is_the_models():
         assert p.block == sum(x.numel() for x in model.model.layers[0].parameters())
 
 
+def test_fewer_collectives_cost_the_memory_the_plan_names(llama_dir):
+    """parallel.grad_reduce=step holds the full FP32 gradient per rank in the training phase;
+    reshard_after_forward=false keeps every block gathered; at one rank neither changes anything."""
+    base = Layout(world_size=8, micro_batch_size=1, logprob_batch_size=1, activation_checkpointing=True, **STUDY)
+    plan = plan_memory(llama_dir, base)
+    step = plan_memory(llama_dir, replace(base, grad_reduce_per_step=True))
+    kept = plan_memory(llama_dir, replace(base, reshard_after_forward=False))
+    n, blk, layers = plan.params.total, plan.params.block, plan.model.num_hidden_layers
+    assert step.phase == "training" and step.device["grads_unsharded"] == 4 * n and step.peak > 4 * n
+    assert kept.device["fsdp_kept_gathered"] == 4 * blk * (layers - 2) and kept.peak > plan.peak
+    assert "grads_unsharded" not in plan.device and "fsdp_kept_gathered" not in plan.device
+    one = replace(base, world_size=1)
+    assert plan_memory(llama_dir, replace(one, grad_reduce_per_step=True, reshard_after_forward=False)).device \
+        == plan_memory(llama_dir, one).device
+
+
 def test_layout_of_a_run_config_reads_its_keys():
     from fp8rl_core.config import load_run_config
 
     cfg = load_run_config(None, ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2", "recipe=fp8_e2e",
-                                 "rollout.max_new_tokens=7", "loss.kl_coef=0.1", "device=cpu"])
+                                 "rollout.max_new_tokens=7", "loss.kl_coef=0.1", "device=cpu",
+                                 "parallel.grad_reduce=step", "parallel.reshard_after_forward=false"])
     lay = layout_for_run(cfg, world_size=2, prompt_tokens=9)
+    assert lay.grad_reduce_per_step and not lay.reshard_after_forward
     assert (lay.rows_per_step, lay.max_new_tokens, lay.prompt_tokens, lay.world_size) == (8, 7, 9, 2)
     assert lay.reference and lay.fp8_training and lay.fp8_generation and lay.device == "cpu"
     assert plan_for_run(cfg, 2, 9).params.total == count_parameters(ModelConfig()).total
@@ -191,3 +209,49 @@ def test_estimate_within_25_percent_of_measured_peak(name):
 
 if __name__ == "__main__":
     print(_probe(sys.argv[1]))
+
+
+# --- vLLM and Megatron layouts; the 8B cluster sweep -----------------------------------------------------
+
+def test_vllm_kv_pool_and_sleep_mode(llama_dir):
+    base = dict(world_size=8, micro_batch_size=1, logprob_batch_size=1, activation_checkpointing=True,
+                rows_per_step=64 * 32, prompt_tokens=512, max_new_tokens=4096, reference=True, device="cuda")
+    asleep = plan_memory(llama_dir, Layout(**base, vllm=True, vllm_max_model_len=4608, vllm_concurrency=64))
+    per_token = 32 * 2 * 8 * 128 * 2  # layers x (k, v) x kv heads x head_dim x BF16: 128 KiB
+    assert asleep.phase == "generation" and asleep.device["kv_cache"] == 64 * 4608 * per_token
+    assert asleep.host["gen_weights"] == asleep.device["gen_weights"] == 2 * asleep.params.total
+    awake = plan_memory(llama_dir, Layout(**base, vllm=True, vllm_max_model_len=4608, vllm_concurrency=64,
+                                          vllm_sleep=False))
+    assert awake.peak > asleep.peak and "gen_weights" not in awake.host  # resident while training too
+    pool = plan_memory(llama_dir, Layout(**base, vllm=True, vllm_kv_cache_bytes=100 * GiB, vllm_tensor_parallel=2))
+    assert pool.device["kv_cache"] == 50 * GiB  # explicit bytes, split over vLLM's 2 GPUs
+    unbounded = plan_memory(llama_dir, Layout(**base, vllm=True, vllm_max_model_len=131072, vllm_concurrency=64))
+    assert check(unbounded, 80 * GiB) is not None  # the model's own 131072 positions: ~1 TiB of KV
+
+
+def test_megatron_replicas_are_not_sharded(llama_dir):
+    lay = Layout(world_size=8, trainer_sharded=False, micro_batch_size=1, logprob_batch_size=1, **STUDY)
+    plan = plan_memory(llama_dir, lay)
+    assert plan.device["params"] + plan.device["optimizer"] == 12 * plan.params.total
+    assert check(plan, 80 * GiB) is not None
+
+
+def test_the_8b_cluster_sweep_fits_8x80gb():
+    from pathlib import Path
+
+    from launchers.plan.grid import expand
+    from launchers.spec.loading import load_sweep
+
+    root = Path(__file__).resolve().parents[2]
+    sweep = load_sweep(root / "sweeps" / "fp8_ablation_llama8b.yaml", cwd=root)
+    cells = expand(sweep)
+    assert len(cells) == 12 and sweep.launcher.slurm.gpu_mem_gb == 80
+    ranks = sweep.launcher.slurm.nodes * sweep.launcher.slurm.tasks_per_node
+    for cell in cells:
+        cfg = cell.config
+        assert cfg.engines.generation == "vllm" and cfg.engines.vllm.sleep_between_steps
+        lay = layout_for_run(cfg, ranks, prompt_tokens=512)
+        assert lay.vllm and lay.vllm_max_model_len == 4608 and lay.vllm_concurrency == 64
+        plan = plan_memory(LLAMA_8B, lay)  # the checkpoint's config.json lives on the cluster: its fields here
+        assert check(plan, 80 * GiB) is None, (cell.label(), plan.table())
+        assert plan.device["kv_cache"] == cfg.engines.vllm.kv_cache_memory_bytes

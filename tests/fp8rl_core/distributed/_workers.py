@@ -1,6 +1,9 @@
 """Per-rank bodies of the scale-out tests: one GRPO training step on a slice of a fixed global batch."""
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import torch
 
 from fp8rl_core import grpo
@@ -43,22 +46,49 @@ def _full_weights(engine: NativeTrainingEngine) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in engine.weights().items()}
 
 
+@contextlib.contextmanager
+def count_collectives():
+    """{name: calls} of FSDP2's all-gathers and reduce-scatters inside the block (they go through
+    torch.distributed.all_gather_single / reduce_scatter_single, looked up at call time)."""
+    import torch.distributed as dist
+
+    calls: collections.Counter = collections.Counter()
+    saved = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def counted(name):
+        def call(*args, **kw):
+            calls[name] += 1
+            return saved[name](*args, **kw)
+        return call
+
+    for name in saved:
+        setattr(dist, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
 def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_size: int = 0,
                logprob_batch_size: int = 0, reuse: bool = False, cpu_offload: bool = False,
-               activation_checkpointing: bool = False) -> dict:
+               activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
+               reshard_after_forward: bool = True) -> dict:
     """This rank's rows of global_batch(), one engine step; returns global metrics and the weight update."""
     torch.manual_seed(0)
     engine = NativeTrainingEngine(build_model(CFG), fp8_training=recipe == "fp8_e2e", loss=LOSS, optim=OPTIM,
                                   compute_dtype=torch.bfloat16 if compute == "bf16" else torch.float32,
                                   mesh=mesh, micro_batch_size=micro_batch_size, logprob_batch_size=logprob_batch_size,
-                                  cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing)
+                                  cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                                  grad_reduce=grad_reduce, reshard_after_forward=reshard_after_forward)
     rows = torch.tensor(list(mesh.shard(B, "rows")))
     batch = global_batch().select(rows)
     before = _full_weights(engine)
     if not reuse:
         batch.old_logprobs = engine.logprobs(batch)
         batch.is_weights = _importance(batch)
-    metrics = engine.train_step(batch, importance=_importance if reuse else None)
+    with count_collectives() as calls:
+        metrics = engine.train_step(batch, importance=_importance if reuse else None)
     old = engine.last_old_logprobs
     isw = compute_importance(old, batch.gen_logprobs, batch.response_mask, "tis")
     rewards = rows[:, None].float() * torch.tensor([[1.0, 0.5]])  # [rows, G=2]: global rows' own values
@@ -71,20 +101,29 @@ def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_si
     refit_equal = _refit_from_shards_is_exact(engine)
     return {"metrics": metrics, "stats": stats, "delta": {k: after[k] - before[k] for k in after},
             "old_logprobs": old, "is_weights": engine.last_is_weights, "rows": rows,
-            "mean_of_means": mean_of_means, "local_param_numel": local, "refit_equal": refit_equal}
+            "mean_of_means": mean_of_means, "local_param_numel": local, "refit_equal": refit_equal,
+            "collectives": dict(calls)}
 
 
 def _refit_from_shards_is_exact(engine: NativeTrainingEngine) -> bool:
     """A generation engine refit from engine.weights() (gathered one tensor per read when sharded)
     holds exactly the weights of one refit from a materialized full state dict."""
+    from fp8rl_core.distributed import parallel
     from fp8rl_core.engines.native_gen import NativeGenerationEngine
 
     full = _full_weights(engine)
     lazy, eager = (NativeGenerationEngine(CFG, dtype=torch.float32) for _ in range(2))
-    lazy.refit(engine.weights())
+    gathers, gather = [], parallel.full_tensor
+    parallel.full_tensor = lambda t: (gathers.append(1), gather(t))[1]  # count the refit's all-gathers
+    try:
+        weights = engine.weights()
+        lazy.refit(weights)
+    finally:
+        parallel.full_tensor = gather
     eager.refit(full)
     ids = global_batch().input_ids[:2, :16]
-    return bool(torch.equal(lazy.logits(ids), eager.logits(ids)))
+    once = not engine.mesh.distributed or 0 < len(gathers) <= len(weights)  # one all-gather per tensor, not two
+    return bool(torch.equal(lazy.logits(ids), eager.logits(ids))) and once
 
 
 def train_cases(mesh, cases: list[dict]) -> list[dict]:

@@ -25,7 +25,10 @@ UPDATE_RTOL = {"fp32": 1e-4, "bf16": 2e-2}  # ||dW_W - dW_1|| / ||dW_1|| per ten
 CASES = [dict(recipe="bf16", compute="bf16"), dict(recipe="fp8_e2e", compute="bf16"),
          dict(recipe="bf16", compute="fp32"), dict(recipe="bf16", compute="bf16", reuse=True),
          dict(recipe="bf16", compute="fp32", micro_batch_size=3, logprob_batch_size=3, cpu_offload=True,
-              activation_checkpointing=True)]
+              activation_checkpointing=True),
+         # fewer collectives: one reduce-scatter per step, weights kept gathered from forward to backward
+         dict(recipe="bf16", compute="fp32", micro_batch_size=3, logprob_batch_size=3, grad_reduce="step",
+              reshard_after_forward=False)]
 REF_CASE = {4: 2}  # a case compared against another's single-process result: offload + AC + micro-batches vs fp32
 
 
@@ -56,7 +59,8 @@ def assert_same_step(r, ref, compute: str) -> None:
     assert worst <= UPDATE_RTOL[compute]
 
 
-IDS = ["bf16", "fp8_e2e", "bf16-fp32compute", "bf16-reuse", "fp32compute-offload-ac-microbatch"]
+IDS = ["bf16", "fp8_e2e", "bf16-fp32compute", "bf16-reuse", "fp32compute-offload-ac-microbatch",
+       "fp32compute-microbatch-reduce-per-step-no-reshard"]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=IDS)
@@ -64,6 +68,17 @@ def test_world_size_2_equals_1(by_world, case):
     ref = by_world[1][REF_CASE.get(case, case)]
     assert_same_step(by_world[2][case], ref, CASES[case]["compute"])
     assert by_world[2][case]["refit_equal"]  # refit from shards, one gathered tensor at a time
+
+
+def test_reduce_per_step_and_no_reshard_cut_the_collectives(by_world):
+    """Same micro-batches (4 rows per rank in chunks of 3: 2 chunks): grad_reduce "step" reduce-scatters
+    once per FSDP group instead of once per group and chunk; reshard_after_forward False gathers once
+    per chunk, not twice (forward and backward)."""
+    per_mb, per_step = by_world[2][4]["collectives"], by_world[2][5]["collectives"]
+    groups = per_step["reduce_scatter_single"]
+    assert groups >= 2 and per_mb["reduce_scatter_single"] == 2 * groups
+    assert per_step["all_gather_single"] < per_mb["all_gather_single"]
+    assert by_world[1][5]["collectives"] == {}  # one process: no collective at all
 
 
 def test_offload_checkpointing_micro_batches_alone_equal_the_plain_step(by_world):

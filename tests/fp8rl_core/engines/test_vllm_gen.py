@@ -176,28 +176,92 @@ def test_write_checkpoint_is_the_blockwise_fp8_format(tmp_path):
 
 # ---- engine arguments ----------------------------------------------------------------------------
 def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
-    opts = conv.VllmOptions(gpu_memory_utilization=0.25, enforce_eager=True)
+    from fp8rl_core.config import VllmSpec
+
+    opts = VllmSpec(gpu_memory_utilization=0.25, enforce_eager=True)
     spec = Fp8Spec(bf16_first_layers=1)
-    kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=spec, dtype="bfloat16", seed=7, options=opts,
-                         supported={"logprobs_mode"})
+    kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=spec, dtype="bfloat16", seed=7, vllm=opts,
+                         max_model_len=40, supported={"logprobs_mode", "enable_sleep_mode"})
     assert kw["quantization"] == "fp8" and kw["skip_tokenizer_init"] and kw["seed"] == 7
     qc = kw["hf_overrides"]["quantization_config"]
     assert {k: qc[k] for k in conv.FP8_QUANT_CONFIG} == {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     assert sorted(qc["ignored_layers"]) == sorted(f"model.layers.0.{lin}" for lin in conv.LINEARS)
-    assert kw["logprobs_mode"] == "processed_logprobs" and kw["max_model_len"] == ODD.max_position_embeddings
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["max_model_len"] == 40
+    assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
+    assert kw["gpu_memory_utilization"] == 0.25 and "kv_cache_memory_bytes" not in kw
     plain = conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0,
-                            options=opts, supported=set())
+                            vllm=VllmSpec(sleep_between_steps=False), max_model_len=40, supported=set())
     assert "quantization" not in plain and "hf_overrides" not in plain and "logprobs_mode" not in plain
+    assert "enable_sleep_mode" not in plain
     assert "ignored_layers" not in conv.fp8_quantization_config(ODD, Fp8Spec())
 
 
-def test_options_from_env():
-    assert conv.options_from_env({}) == conv.VllmOptions()
-    o = conv.options_from_env({"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "0.5", "FP8RL_VLLM_ENFORCE_EAGER": "0"})
-    assert o == conv.VllmOptions(gpu_memory_utilization=0.5, enforce_eager=False)
-    with pytest.raises(ValueError, match="FP8RL_VLLM_GPU_MEMORY_UTILIZATION"):
-        conv.options_from_env({"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "1.5"})
+def test_llm_kwargs_refuse_fp8_with_fp32_and_missing_engine_arguments(tmp_path):
+    from fp8rl_core.config import VllmSpec
+
+    with pytest.raises(ValueError, match="model.dtype: vLLM's FP8 method runs bfloat16 / float16"):
+        conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=Fp8Spec(), dtype="float32", seed=0, vllm=VllmSpec(),
+                        max_model_len=40, supported=set())
+    kv = VllmSpec(kv_cache_memory_bytes=2**30, max_num_seqs=64, tensor_parallel_size=2, enforce_eager=False)
+    kw = conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0, vllm=kv,
+                         max_model_len=40, supported={"kv_cache_memory_bytes", "max_num_seqs", "enable_sleep_mode"})
+    assert (kw["kv_cache_memory_bytes"], kw["max_num_seqs"], kw["tensor_parallel_size"], kw["enforce_eager"]) \
+        == (2**30, 64, 2, False)
+    with pytest.raises(ValueError, match="engines.vllm.kv_cache_memory_bytes: this vLLM has no"):
+        conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0, vllm=kv,
+                        max_model_len=40, supported={"model", "max_num_seqs", "enable_sleep_mode"})
+
+
+def test_max_model_len_is_the_longest_prompt_plus_new_tokens():
+    from fp8rl_core.config import VllmSpec
+    from fp8rl_core.model.tokenizer import char_tokenizer
+    from fp8rl_core.tasks.arithmetic import ArithmeticTask
+
+    assert conv.resolve_max_model_len(VllmSpec(), 300, 4096, 131072) == 4396  # not Llama-3.1's 131072
+    assert conv.resolve_max_model_len(VllmSpec(max_model_len=8192), 300, 4096, 131072) == 8192
+    with pytest.raises(ValueError, match="engines.vllm.max_model_len: 1000 tokens cannot hold"):
+        conv.resolve_max_model_len(VllmSpec(max_model_len=1000), 300, 4096, 131072)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        conv.resolve_max_model_len(VllmSpec(), 300, 4096, 2048)
+    task, tok = ArithmeticTask(digits=3, min_digits=1), char_tokenizer()
+    assert conv.longest_prompt_tokens(task, tok) == len(tok.encode("999+999="))  # BOS + 8 characters
+
+
+def test_free_memory_check_names_the_knob():
+    from fp8rl_core.config import VllmSpec
+
+    gib = 2**30
+    assert conv.free_memory_error(60 * gib, 80 * gib, VllmSpec(gpu_memory_utilization=0.5)) is None
+    msg = conv.free_memory_error(30 * gib, 80 * gib, VllmSpec(gpu_memory_utilization=0.5))
+    assert "engines.vllm.gpu_memory_utilization=0.5" in msg and "valid: <= 0.36" in msg
+    assert conv.free_memory_error(1, 80 * gib, VllmSpec(kv_cache_memory_bytes=gib)) is None
+
+
+def test_run_config_vllm_section_validates_and_fp8_fp32_is_refused():
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.schema import ConfigError
+
+    cfg = load_run_config(None, ["engines.generation=vllm", "engines.vllm.max_model_len=8192",
+                                 "engines.vllm.gpu_memory_utilization=0.4"])
+    assert cfg.engines.vllm.max_model_len == 8192 and cfg.engines.vllm.sleep_between_steps
+    for override, fragment in [("engines.vllm.gpu_memory_utilization=1.5", "engines.vllm.gpu_memory_utilization"),
+                               ("engines.vllm.tensor_parallel_size=0", "engines.vllm.tensor_parallel_size"),
+                               ("engines.vllm.kv_cache_memory_bytes=0", "engines.vllm.kv_cache_memory_bytes"),
+                               ("engines.vllm.max_model_len=1", "engines.vllm.max_model_len")]:
+        with pytest.raises(ConfigError, match=fragment):
+            load_run_config(None, [override])
+    with pytest.raises(ConfigError, match="model.dtype: recipe 'fp8_gen' generates in FP8 with vLLM.*valid: bf16"):
+        load_run_config(None, ["engines.generation=vllm", "recipe=fp8_gen", "model.dtype=fp32"])
+    load_run_config(None, ["engines.generation=vllm", "recipe=bf16", "model.dtype=fp32"])  # BF16 recipe: fine
+    load_run_config(None, ["recipe=fp8_gen", "model.dtype=fp32"])  # native engine: fine
+
+
+def test_old_environment_variables_warn_and_are_ignored():
+    with pytest.warns(DeprecationWarning, match="engines.vllm.gpu_memory_utilization"):
+        assert conv.warn_deprecated_env({"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "0.5"}) == [
+            "FP8RL_VLLM_GPU_MEMORY_UTILIZATION"]
+    assert conv.warn_deprecated_env({}) == []
 
 
 def test_choose_refit_method():
@@ -295,7 +359,7 @@ class FakeLLM:
     instances: list[FakeLLM] = []
 
     def __init__(self, **kwargs):
-        self.kwargs, self.reloads, self.resets, self.requests = kwargs, [], 0, []
+        self.kwargs, self.reloads, self.resets, self.requests, self.events = kwargs, [], 0, [], []
         self.worker = type("Worker", (), {"model_runner": FakeRunner(), "reload_weights": lambda *a, **k: None})()
         FakeLLM.instances.append(self)
 
@@ -304,14 +368,22 @@ class FakeLLM:
             return [method(self.worker, *args, **(kwargs or {}))]
         assert method == "reload_weights" and kwargs["is_checkpoint_format"] is True
         self.reloads.append(dict(kwargs["weights_iterator"]))
+        self.events.append(("reload",))
         return [None]
 
     def reset_prefix_cache(self):
         self.resets += 1
         return True
 
+    def sleep(self, level=1):
+        self.events.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.events.append(("wake_up", tuple(tags or ())))
+
     def generate(self, prompts, params, use_tqdm=True):
         assert len(prompts) == len(params) and not use_tqdm
+        self.events.append(("generate",))
         self.requests.append((prompts, params))
         return [fake_output([3, 4, 2][: 1 + i % 3], [-0.5, -0.25, -0.125][: 1 + i % 3])
                 for i in range(len(prompts))]
@@ -325,11 +397,12 @@ def fake_vllm(monkeypatch):
 
     mod = types.ModuleType("vllm")
     mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
-    mod.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["model", "logprobs_mode"])
+    mod.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["model", "logprobs_mode", "enable_sleep_mode"])
     mod.LLM = FakeLLM
     mod.SamplingParams = lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     FakeLLM.instances.clear()
     return FakeLLM.instances
@@ -361,15 +434,38 @@ def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
     assert params[0]["stop_token_ids"] == [ODD.eos_token_id] and params[0]["max_tokens"] == 3
     assert torch.equal(out.response_mask.sum(1), torch.tensor([1, 2, 3]))
     assert torch.equal(out.finished, torch.tensor([False, False, True]))
+    # KV bound: the arithmetic task's longest prompt + max_new_tokens, not max_position_embeddings
+    assert llm.kwargs["max_model_len"] == 1 + len("99+99=") + cfg.rollout.max_new_tokens  # BOS + 2-digit prompt
+    assert llm.kwargs["enable_sleep_mode"] is True
+    # colocation: asleep after each generation (training runs), weights woken for the refit, KV for generating
+    llm.events.clear()
+    engine.refit(random_weights(ODD, seed=2))
+    engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=12))
+    assert llm.events == [("wake_up", ("weights",)), ("reload",), ("wake_up", ("kv_cache",)), ("generate",),
+                          ("sleep", 1)]
+    with pytest.raises(ValueError, match="engines.vllm.max_model_len"):
+        engine.generate([[1] * 40], SamplingParams(max_new_tokens=3))
     engine.close()
+
+
+def test_engine_refuses_fp8_with_fp32_activations(fake_vllm, tmp_path):
+    from fp8rl_core.config import RunConfig
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+
+    cfg = RunConfig(recipe="fp8_gen", output_dir=str(tmp_path))
+    cfg.model.dtype = "fp32"  # built past validation, as a programmatic caller could
+    with pytest.raises(ValueError, match="BF16/FP16 activations only"):
+        VllmGenerationEngine(cfg, ODD)
 
 
 # ---- the real thing (CUDA + vLLM) -----------------------------------------------------------------
 def test_vllm_accepts_our_arguments(tmp_path):
     vllm = pytest.importorskip("vllm")
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    from fp8rl_core.config import VllmSpec
+
     kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=Fp8Spec(), dtype="bfloat16", seed=0,
-                         options=conv.VllmOptions(), supported=fields)
+                         vllm=VllmSpec(), max_model_len=64, supported=fields)
     assert set(kw) <= fields
     vllm.SamplingParams(**conv.sampling_kwargs(SamplingParams(max_new_tokens=4), 2, conv.PROCESSED), seed=1)
 
