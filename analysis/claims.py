@@ -149,6 +149,11 @@ def choose_is_variant(runs: Sequence[RunHistory] | Sequence[RunSummary], is_vari
     return "token" if "token" in variants else (variants[0] if variants else None)
 
 
+def _ratio_text(ratio: float) -> str:
+    """A mismatch ratio (>= 1) legible at every scale: 1.0119, or 1 + 3.2e-08 near the FP32 floor."""
+    return f"{ratio:.4f}" if abs(ratio - 1) >= 1e-3 else f"1 + {ratio - 1:.2g}"
+
+
 def _median_text(sums: Sequence[RunSummary], recipes: Sequence[str]) -> str:
     parts = []
     for rc in recipes:
@@ -156,7 +161,7 @@ def _median_text(sums: Sequence[RunSummary], recipes: Sequence[str]) -> str:
         if members:
             med = np.mean([s.mismatch_median for s in members])
             trim = np.mean([s.mismatch_trimmed for s in members])
-            parts.append(f"{rc} {med:.4f} (trimmed mean {trim:.4f}, {len(members)} runs)")
+            parts.append(f"{rc} {_ratio_text(med)} (trimmed mean {_ratio_text(trim)}, {len(members)} runs)")
         else:
             parts.append(f"{rc}: no runs")
     return "per-run median mismatch, mean over runs: " + "; ".join(parts)

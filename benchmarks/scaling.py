@@ -2,9 +2,12 @@
 
     python benchmarks/scaling.py                        # tiny + hidden 1024, bf16 + fp8_e2e, W = 1, 2
     python benchmarks/scaling.py --models tiny --recipes bf16 --steps 3
+    python benchmarks/scaling.py --models hidden1024 --recipes fp8_e2e --set train.micro_batch_size=4 \
+        --variants "" "parallel.grad_reduce=step,parallel.reshard_after_forward=false"
 
 Each cell is a real `torchrun --standalone --nproc-per-node W -m fp8rl_core.cli` run (one thread per
-rank) from a random-init model folder (no warm start). Reported per row:
+rank) from a random-init model folder (no warm start). `--variants`: comma lists of run-config
+overrides, each measured at W > 1 against one W = 1 run per recipe ("" = the defaults). Reported per row:
   tokens/s     median over steps 2.. of the run's `tokens_per_s` (global: all ranks' response tokens
                per second of step wall time); efficiency = tokens/s(W) / (W x tokens/s(1))
   peak_rss     the largest rank's peak RSS (ru_maxrss of torchrun's children), MiB
@@ -49,9 +52,10 @@ def model_folder(name: str, root: Path) -> Path:
     return path
 
 
-def run_cell(model: Path, recipe: str, world: int, steps: int, out: Path) -> dict[str, float]:
+def run_cell(model: Path, recipe: str, world: int, steps: int, out: Path, extra: tuple[str, ...] = ()
+             ) -> dict[str, float]:
     """One torchrun run; its median tokens/s (steps 2..) and the largest rank's peak RSS in MiB."""
-    overrides = [f"model.path={model}", f"recipe={recipe}", f"output_dir={out}", f"train.steps={steps}",
+    overrides = [*extra, f"model.path={model}", f"recipe={recipe}", f"output_dir={out}", f"train.steps={steps}",
                  "train.val_every=100000", "train.val_samples=0", "task.val_size=4", "threads=1",
                  "train.checkpoint_every=100000", *ROLLOUT]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
@@ -125,24 +129,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--workdir", default=None, help="where model folders and runs go (default: a temp folder)")
+    ap.add_argument("--set", nargs="*", default=[], dest="common",
+                    help="run-config overrides for every run, e.g. train.micro_batch_size=4")
+    ap.add_argument("--variants", nargs="+", default=[""],
+                    help='comma lists of run-config overrides measured at W > 1 ("" = defaults)')
     args = ap.parse_args(argv)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="fp8rl-scaling-"))
-    print("| model | recipe | W | tokens/s | efficiency | peak RSS/rank MiB | param+optim/rank MiB (plan) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | recipe | W | overrides | tokens/s | efficiency | peak RSS/rank MiB "
+          "| param+optim/rank MiB (plan) |")
+    print("|---|---|---|---|---|---|---|---|")
+    variants = [tuple(v for v in text.split(",") if v) for text in args.variants]
+    if args.common:
+        print(f"every run: {' '.join(args.common)}")
     for name in args.models:
         folder = model_folder(name, root)
         states = {w: state_bytes(name, w) for w in args.worlds}
         for recipe in args.recipes:
             base = None
             for w in args.worlds:
-                r = run_cell(folder, recipe, w, args.steps, root / f"run_{name}_{recipe}_{w}")
-                base = base or r["tokens_per_s"] / w
-                eff = r["tokens_per_s"] / (w * base)
-                print(f"| {name} | {recipe} | {w} | {r['tokens_per_s']:.0f} | {eff:.2f} | {r['peak_rss_mib']:.0f} | "
-                      f"{states[w] / 2**20:.1f} ({planned_state_bytes(name, w) / 2**20:.1f}) |", flush=True)
+                for extra in variants if w > 1 else [()]:
+                    tag = "_".join(x.replace("=", "-") for x in extra)
+                    r = run_cell(folder, recipe, w, args.steps, root / f"run_{name}_{recipe}_{w}_{tag}",
+                                 (*args.common, *extra))
+                    base = base or r["tokens_per_s"] / w
+                    eff = r["tokens_per_s"] / (w * base)
+                    print(f"| {name} | {recipe} | {w} | {' '.join(extra) or '-'} | {r['tokens_per_s']:.0f} | {eff:.2f} "
+                          f"| {r['peak_rss_mib']:.0f} | {states[w] / 2**20:.1f} "
+                          f"({planned_state_bytes(name, w) / 2**20:.1f}) |", flush=True)
         if len(args.worlds) > 1:
             w0, w1 = args.worlds[0], args.worlds[1]
-            print(f"|  | param+optim ratio W={w1}/W={w0} | | | | | {states[w1] / states[w0]:.2f} |")
+            print(f"|  | param+optim ratio W={w1}/W={w0} | | | | | | {states[w1] / states[w0]:.2f} |")
     return 0
 
 
