@@ -24,7 +24,7 @@ from pathlib import Path
 from analysis.claims import ClaimResult, check_claims
 from analysis.config import AnalysisConfig
 from analysis.fetch import SweepData, fetch_sweep
-from analysis.figures import make_figures
+from analysis.figures import make_figures, order_note
 from analysis.rleval import rleval_markdown
 from analysis.summaries import summarize_all, tails_markdown
 from analysis.table import markdown_table, summary_rows, write_table
@@ -73,7 +73,7 @@ class ReportPaths:
 
 
 def _report_text(data: SweepData, figures: dict[str, list[Path]], claims_md: str, table_md: str,
-                 extra: str = "") -> str:
+                 extra: str = "", cfg: AnalysisConfig | None = None) -> str:
     statuses = Counter(r.status for r in data.runs)
     state = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no runs"
     out = [f"# Sweep report: {data.sweep_name}", "",
@@ -83,6 +83,9 @@ def _report_text(data: SweepData, figures: dict[str, list[Path]], claims_md: str
                        ("Figure 2: validation accuracy per recipe × IS", "fig2")):
         png, svg = figures[key]
         out += [f"## {title}", "", f"![{title}]({png.name})", "", f"([SVG]({svg.name}))", ""]
+        order = order_note(data, cfg) if key == "fig1" else ""
+        if order:  # Figure 1's "consistently lower", as the paired per-step statistic
+            out += [order[0].upper() + order[1:].replace(":\n", ": ") + ".", ""]
     out += ["## Claims", "", claims_md, "## Summary", "", table_md, extra]
     return "\n".join(out)
 
@@ -121,12 +124,12 @@ def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path,
     if not data.runs:
         raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet")
     out = Path(out_dir)
-    figures = make_figures(data, out)
+    figures = make_figures(data, out, cfg)
     table_md_path, table_csv_path = write_table(data, out)
     results = check_claims(data, cfg)
     claims_path, claims_md, text, js = _write_claims(out, results, cfg)
     report = out / "report.md"
-    body = _report_text(data, figures, claims_md, markdown_table(summary_rows(data)), _extra_sections(data, cfg))
+    body = _report_text(data, figures, claims_md, markdown_table(summary_rows(data)), _extra_sections(data, cfg), cfg)
     report.write_text(body)
     paths = ReportPaths(out, report, figures, table_md_path, table_csv_path, claims_path,
                         statuses=dict(Counter(r.status for r in data.runs)), results=results, verdicts_text=text,

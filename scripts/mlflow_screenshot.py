@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from analysis.report import make_report  # noqa: E402
+from analysis.report import UI_QUERY, make_report  # noqa: E402
 from analysis.synthetic import log_sweep, synthetic_runs  # noqa: E402
 from fp8rl_core.tracking.server import start_server  # noqa: E402
 
@@ -78,10 +78,11 @@ def take_screenshots(out_dir: Path, store_dir: Path | None = None, browser: str 
         uri, exp, parent = make_store(Path(store_dir or tmp))
         with start_server(uri, log_path=out_dir / "mlflow-server.log") as server:
             base = f"{server.url}/#/experiments/{exp}"
-            pages = {"runs": f"{base}/runs",
-                     "parent_run": f"{base}/runs/{parent}",
-                     "figure1": f"{base}/runs/{parent}/artifacts/report/fig1_token_mult_prob_error.png",
-                     "figure2": f"{base}/runs/{parent}/artifacts/report/fig2_val_accuracy.png"}
+            # as the link `sweep report` prints (analysis.report.ui_link): "Model training", not GenAI's Overview
+            pages = {"runs": f"{base}/runs?{UI_QUERY}",
+                     "parent_run": f"{base}/runs/{parent}?{UI_QUERY}",
+                     "figure1": f"{base}/runs/{parent}/artifacts/report/fig1_token_mult_prob_error.png?{UI_QUERY}",
+                     "figure2": f"{base}/runs/{parent}/artifacts/report/fig2_val_accuracy.png?{UI_QUERY}"}
             return {name: capture(browser, url, out_dir / f"{name}.png") for name, url in pages.items()}
 
 

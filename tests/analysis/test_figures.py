@@ -57,6 +57,8 @@ def test_figure1_one_curve_per_recipe_with_bands_and_acceptable_region(data):
     assert "Figure 1" in ax.get_title(loc="left")
     text = _texts(fig)
     assert "mean ± 95% CI (Student t over 6 runs" in text and "3 seeds × 2 IS settings" in text
+    assert "paired per step" in text and "bf16 < fp8_gen at" in text and "fp8_e2e < fp8_gen at" in text
+    assert "(mean over 3 seeds, 95% t interval)" in text and "\n" in text
     bbox = ax.get_legend().get_window_extent(fig.canvas.get_renderer())
     assert bbox.x0 >= ax.get_window_extent(fig.canvas.get_renderer()).x1  # legend outside the data
 
@@ -110,3 +112,14 @@ def test_figure1_axis_is_log_of_excess_labelled_in_ratio_units(data):
     assert 1.0 < bottom < 1.0 + 1e-2 and 0 <= to_axes(1.04) <= 1  # the acceptable band is in view
     for band in (c for c in ax.collections if isinstance(c, PolyCollection)):
         assert band.get_paths()[0].vertices[:, 1].min() > 1.0  # CI clipped: the ratio is never below 1
+
+
+def test_order_note_is_the_claims_paired_step_statistic(data):
+    from analysis.claims import step_order
+    from analysis.config import AnalysisConfig
+    from analysis.figures import order_note
+
+    o = step_order(data.runs, "bf16", "fp8_e2e", AnalysisConfig())
+    assert f"bf16 < fp8_e2e at {o['fraction']:.0%} [{o['ci'][0]:.0%}, {o['ci'][1]:.0%}]" in order_note(data)
+    only_bf16 = SweepData("u", "1", "x", None, [r for r in data.runs if r.get("recipe") == "bf16"])
+    assert order_note(only_bf16) == ""

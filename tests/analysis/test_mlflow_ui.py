@@ -34,6 +34,7 @@ def test_parent_run_children_and_figures_in_the_ui(tmp_path):
         assert image.shape[:2] == (1000, 1600) and image[..., :3].std() > 0.05
     dom = {name: png.with_suffix(".html").read_text() for name, png in paths.items()}
     assert "ui-demo" in dom["runs"]
+    assert not [w for w in GENAI_OVERVIEW if w in dom["runs"]]  # opened as the report's link: "Model training"
     children = {f"{r}-{i}-s{s}" for r in ("bf16", "fp8_gen", "fp8_e2e") for i in ("none", "token") for s in (0, 1)}
     shown = {c for c in children if c in dom["parent_run"]}
     assert "Child runs" in dom["parent_run"] and len(shown) >= 8, shown  # the UI lists 10, then "Load more"

@@ -24,6 +24,9 @@ def test_report_files_and_parent_artifacts(sweep_store, tmp_path):
     assert logged == {f"{ARTIFACT_DIR}/{n}" for n in names}
     report = paths.report.read_text()
     assert "18 child runs (18 FINISHED)" in report and "](fig1_token_mult_prob_error.png)" in report
+    fig1 = report.split("## Figure 1")[1].split("## Figure 2")[0]
+    assert "Paired per step (same seed and IS setting), fraction of steps (mean over " in fig1
+    assert "bf16 < fp8_gen at" in fig1
     summary = report.split("## Summary")[1].split("## Mismatch per run")[0]
     assert summary.count("| bf16 |") == 2 and "| 4 |" in report  # the table's bf16 rows; claim 4
     claims = paths.claims.read_text()
