@@ -13,6 +13,8 @@ overrides, each measured at W > 1 against one W = 1 run per recipe ("" = the def
   peak_rss     the largest rank's peak RSS (ru_maxrss of torchrun's children), MiB
   param+optim  bytes of this rank's parameters + AdamW states after one step, measured on the
                sharded trainer (FSDP2 at W > 1), and the memory plan's figure for the same
+The floor line: one all-gather and one reduce-scatter of the whole FP32 model over gloo, measured
+here, the unit FSDP2's traffic per step is counted in.
 Goals (issue 12): efficiency >= 0.8 at hidden 1024; param+optim(2) <= 0.6 x param+optim(1).
 A table, not a test: the numbers depend on the machine; only ratios measured in one run compare.
 """
@@ -115,6 +117,48 @@ def state_bytes(name: str, world: int) -> int:
         return int(Path(out).read_text())
 
 
+def _collectives_worker(rank: int, world: int, port: int, numel: int, out: str) -> None:
+    """Seconds of one all-gather and one reduce-scatter of `numel` FP32 values (the model) over gloo."""
+    import time
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    shard = -(-numel // world)
+    full, part = torch.empty(shard * world), torch.randn(shard)
+    gather, scatter = [], []
+    for _ in range(4):  # the first of each is a warm-up
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_gather_single(full, part)
+        gather.append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        dist.reduce_scatter_single(part, full)
+        scatter.append(time.perf_counter() - t)
+    if rank == 0:
+        Path(out).write_text(json.dumps([min(gather[1:]), min(scatter[1:])]))
+    dist.destroy_process_group()
+
+
+def collective_seconds(name: str, world: int) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of the whole FP32 model at `world` ranks: FSDP2's unit of traffic."""
+    import torch.multiprocessing as mp
+
+    from fp8rl_core.memory_plan import count_parameters
+
+    numel = count_parameters(MODELS[name]).total
+    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        out = os.path.join(tmp, "t")
+        mp.spawn(_collectives_worker, args=(world, port, numel, out), nprocs=world, join=True)
+        gather, scatter = json.loads(Path(out).read_text())
+        return gather, scatter
+
+
 def planned_state_bytes(name: str, world: int) -> int:
     from fp8rl_core.memory_plan import Layout, plan_memory
 
@@ -159,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.worlds) > 1:
             w0, w1 = args.worlds[0], args.worlds[1]
             print(f"|  | param+optim ratio W={w1}/W={w0} | | | | | | {states[w1] / states[w0]:.2f} |")
+            gather, scatter = collective_seconds(name, w1)
+            print(f"\nfloor at W={w1} ({name}): one all-gather of the FP32 model {gather * 1e3:.0f} ms, one "
+                  f"reduce-scatter {scatter * 1e3:.0f} ms (gloo, this machine). Per step FSDP2 runs, per "
+                  "micro-batch, 2 all-gathers (forward, backward) + 1 reduce-scatter by default, 1 + 0 with "
+                  "reshard_after_forward=false and grad_reduce=step (+1 reduce-scatter per step), plus 1 "
+                  "all-gather per log-prob pass and per refit.")
     return 0
 
 

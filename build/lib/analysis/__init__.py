@@ -1,0 +1,24 @@
+"""Analysis: MLflow -> aligned histories -> mean and 95% CI over seeds -> figures, table, claim checks.
+
+    from analysis import make_report
+    paths = make_report("sqlite:///mlflow.db", "fp8rl", "fp8_ablation", "outputs/report")
+    print(paths.verdicts_text)          # the claims table; json.dumps(paths.verdicts) for scripts
+
+Modules, in the order data flows: `fetch` (histories out of MLflow), `aggregate` (align steps, group
+by recipe × IS, Student-t CIs), `figures` (Figures 1 and 2), `table` (summary Markdown/CSV),
+`summaries` (robust per-run summaries, tails, paired cells), `stats` (paired t, bootstrap, TOST,
+power, IQM, probability of improvement), `config` (`AnalysisConfig`: margin, α, bootstrap),
+`claims` (PASS/FAIL/INCONCLUSIVE by paired tests), `rleval` (IQM and P(X > Y) tables), `verdicts`
+(the claims table for the terminal, JSON and Markdown), `report` (all of it, logged to the sweep's
+parent run). `synthetic` makes sweeps with known effects for tests and demos.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def make_report(*args: Any, **kwargs: Any):
+    """See `analysis.report.make_report` (imported lazily: MLflow and matplotlib load on first use)."""
+    from analysis.report import make_report as _make_report
+
+    return _make_report(*args, **kwargs)

@@ -1,0 +1,281 @@
+"""The study's four claims, each decided PASS / FAIL / INCONCLUSIVE by a paired test at level α.
+
+Unit of replication: the seed. Cells that differ only in recipe share a seed's prompts, so every
+comparison uses per-seed paired differences d_s (see `summaries.paired`), with a (1 − α) Student t
+interval (the decision), a percentile bootstrap interval (scipy.stats.bootstrap, fixed seed: a
+second view), n, a p-value, and a power line (`power_line`). α, the margin and the bootstrap come
+from `AnalysisConfig`. Per-run summaries (`summaries`): mismatch = the median over steps of
+`token_mult_prob_error` (robust to the heavy-tailed spikes; the trimmed mean is shown beside it);
+accuracy = `val_accuracy` at the run's last validation step.
+
+1. bf16 has the lowest mismatch. For each other recipe R: d_s = median(R) − median(bf16), pooled over
+   IS settings (a seed's IS pairs averaged). PASS iff every (1 − α) interval lies above 0; FAIL iff
+   some (1 − α/k) interval lies below 0 (k other recipes; `stats.decide_positive`). The fraction of
+   steps at which bf16 is below R (paired step by step, per seed) is reported beside it.
+2. fp8_e2e mismatch < fp8_gen mismatch: d_s = median(fp8_gen) − median(fp8_e2e); same rule, k = 1.
+3. IS narrows fp8_gen's accuracy gap to bf16. A = fp8_gen without IS, B = fp8_gen with IS, bf16 the
+   baseline (without IS). |gap_B| < |gap_A| ⟺ sgn · (B − A) > 0 with sgn = sign(bf16 − (A + B)/2)
+   (the direction towards bf16, measured from the midpoint so that it is independent of B − A under
+   the null). d_s = sgn · (B_s − A_s); PASS iff its (1 − α) interval lies above 0, FAIL iff below.
+4. fp8_e2e + IS matches bf16: d_s = E_s − bf16_s (bf16 with the same IS setting when it ran, else
+   bf16 without IS). TOST with margin m = `equivalence_margin` points: PASS iff the (1 − 2α)
+   interval ⊂ (−m, m); FAIL iff the (1 − α) interval lies outside [−m, m]; INCONCLUSIVE otherwise.
+Fewer than 2 paired seeds: INCONCLUSIVE (no interval).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from analysis import stats as st
+from analysis.aggregate import RECIPE_ORDER
+from analysis.config import AnalysisConfig
+from analysis.fetch import RunHistory, SweepData
+from analysis.summaries import RunSummary, paired, select, step_order_fractions, summarize_all
+
+PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
+VERDICT = {st.PASS_CODE: PASS, st.FAIL_CODE: FAIL, st.NONE_CODE: INCONCLUSIVE}
+MISMATCH_UNIT, ACC_UNIT = "", "pts"
+
+
+@dataclass
+class Comparison:
+    """One paired comparison: d_s per seed, its mean, intervals and power. Accuracy in points."""
+
+    name: str  # e.g. "fp8_gen − bf16"
+    effect: float  # mean of d_s (accuracy: points)
+    ci: tuple[float, float]  # the decision's t interval
+    ci_level: float
+    bootstrap: tuple[float, float]  # percentile bootstrap interval at ci_level
+    n: int
+    sd: float
+    p: float
+    mde: float  # smallest |effect| detectable at `power` with n seeds
+    seeds_needed: int | None  # seeds to detect the observed effect (claim 4: to show equivalence)
+    power_line: str
+    unit: str = ""
+
+
+@dataclass
+class ClaimResult:
+    number: int
+    claim: str
+    status: str
+    comparisons: list[Comparison] = field(default_factory=list)
+    statistic: str = ""  # what d_s is and which per-run summary it uses
+    evidence: str = ""  # group summaries, e.g. "median mismatch: bf16 1.0012, ..."
+    margin: float | None = None  # claim 4: the TOST margin in points
+    step_order: list[dict] = field(default_factory=list)  # claims 1–2: `step_order(...)` per comparison
+
+    def to_dict(self) -> dict:
+        return _jsonable(asdict(self))
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if np.isfinite(x) else None
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def fmt_value(x: float, unit: str, signed: bool = False) -> str:
+    """Accuracy in points (`12.3 pts`), mismatch with 3 significant digits; NaN → n/a."""
+    if x is None or not np.isfinite(x):
+        return "n/a"
+    spec = (".1f" if unit == ACC_UNIT else ".3g")
+    body = format(x, ("+" if signed else "") + spec)
+    return f"{body} {unit}".rstrip()
+
+
+def power_line(d: np.ndarray, cfg: AnalysisConfig, unit: str) -> tuple[float, int | None, str]:
+    """`(mde, seeds needed for the observed effect, text)` for a two-sided paired t test."""
+    n = d.size
+    sd = float(np.std(d, ddof=1)) if n >= 2 else float("nan")
+    effect = float(np.mean(d)) if n else 0.0
+    if n < 2:
+        return float("nan"), None, f"{n} paired seed{'s' * (n != 1)}: at least 2 are needed for an interval"
+    if sd == 0:
+        return 0.0, None, f"with {n} seeds the differences have no spread: any nonzero gap is detected"
+    mde = st.min_detectable(sd, n, cfg.alpha, cfg.power)
+    needed = st.seeds_needed(lambda k: st.t_power(effect, sd, k, cfg.alpha), cfg.power) if effect else None
+    head = f"with {n} seeds the smallest detectable gap is {fmt_value(mde, unit)} ({cfg.power:.0%} power)"
+    tail = (f"about {needed} seeds would detect {fmt_value(abs(effect), unit)}" if needed
+            else f"more than {st.MAX_SEEDS} seeds would be needed for {fmt_value(abs(effect), unit)}" if effect
+            else "the observed gap is 0")
+    return mde, needed, f"{head}; {tail}"
+
+
+def tost_power_line(d: np.ndarray, cfg: AnalysisConfig) -> tuple[float, int | None, str]:
+    """TOST's power line (accuracy in points): MDE for a gap, and the seeds to show equivalence at the
+    observed gap (or at 0 when it exceeds the margin, then also the seeds to show it is beyond)."""
+    mde, _, text = power_line(d, cfg, ACC_UNIT)
+    n, m = d.size, cfg.equivalence_margin
+    if n < 2 or not np.isfinite(mde) or mde == 0:
+        return mde, None, text
+    sd, effect = float(np.std(d, ddof=1)), float(np.mean(d))
+    at = effect if abs(effect) < m else 0.0
+    pw = st.tost_power(at, sd, n, m, cfg.alpha)
+    needed = st.seeds_needed(lambda k: st.tost_power(at, sd, k, m, cfg.alpha), cfg.power)
+    line = (f"with {n} seeds the smallest detectable gap is {fmt_value(mde, ACC_UNIT)}; TOST at ±{m:g} pts has "
+            f"{pw:.0%} power if the true gap is {at:+.1f} pts; "
+            + (f"about {needed} seeds would show equivalence" if needed else f"more than {st.MAX_SEEDS} seeds needed"))
+    if abs(effect) >= m:
+        beyond = st.seeds_needed(lambda k: st.t_power(abs(effect) - m, sd, k, cfg.alpha), cfg.power)
+        if beyond:
+            line += f"; about {beyond} seeds would show the observed {effect:+.1f} pts is beyond the margin"
+    return mde, needed, line
+
+
+def compare(name: str, d: np.ndarray, cfg: AnalysisConfig, unit: str, tost: bool = False) -> Comparison:
+    """The numbers of one comparison; `tost` uses the (1 − 2α) interval and TOST's power line."""
+    level = 1 - 2 * cfg.alpha if tost else 1 - cfg.alpha
+    mean, lo, hi, sd = (float(v) for v in st.t_interval(d, level))
+    boot = st.bootstrap_interval(d, level, cfg.bootstrap_resamples, cfg.seed)
+    mde, needed, line = tost_power_line(d, cfg) if tost else power_line(d, cfg, unit)
+    return Comparison(name, mean, (lo, hi), level, boot, int(d.size), sd, float(st.p_value(d)), mde, needed, line, unit)
+
+
+def choose_is_variant(runs: Sequence[RunHistory] | Sequence[RunSummary], is_variant: str | None = None) -> str | None:
+    def isv(r):
+        return r.importance_sampling if isinstance(r, RunSummary) else r.get("importance_sampling")
+    variants = sorted({isv(r) for r in runs} - {None, "none", "?"})
+    if is_variant is not None:
+        return is_variant
+    return "token" if "token" in variants else (variants[0] if variants else None)
+
+
+def _ratio_text(ratio: float) -> str:
+    """A mismatch ratio (>= 1) legible at every scale: 1.0119, or 1 + 3.2e-08 near the FP32 floor."""
+    return f"{ratio:.4f}" if abs(ratio - 1) >= 1e-3 else f"1 + {ratio - 1:.2g}"
+
+
+def _median_text(sums: Sequence[RunSummary], recipes: Sequence[str]) -> str:
+    parts = []
+    for rc in recipes:
+        members = [s for s in select(sums, rc) if np.isfinite(s.mismatch_median)]
+        if members:
+            med = np.mean([s.mismatch_median for s in members])
+            trim = np.mean([s.mismatch_trimmed for s in members])
+            parts.append(f"{rc} {_ratio_text(med)} (trimmed mean {_ratio_text(trim)}, {len(members)} runs)")
+        else:
+            parts.append(f"{rc}: no runs")
+    return "per-run median mismatch, mean over runs: " + "; ".join(parts)
+
+
+def step_order(runs: Sequence[RunHistory], low: str, high: str, cfg: AnalysisConfig) -> dict | None:
+    """Figure 1's "consistently lower" as a paired statistic: per seed the fraction of steps at which
+    `low`'s mismatch < `high`'s (same seed and IS setting, step by step), its mean over seeds and the
+    (1 − α) t interval over seeds (the seed is the replicate: steps within a run are correlated)."""
+    frac = step_order_fractions(runs, low, high)
+    if frac.size == 0:
+        return None
+    mean, lo, hi, _ = (float(v) for v in st.t_interval(frac, 1 - cfg.alpha))
+    return {"low": low, "high": high, "fraction": mean, "ci": (max(lo, 0.0), min(hi, 1.0)), "n": int(frac.size)}
+
+
+def _order_text(o: dict) -> str:
+    ci = f" [{o['ci'][0]:.0%}, {o['ci'][1]:.0%}]" if np.isfinite(o["ci"][0]) else ""
+    return f"{o['low']} below {o['high']} at {o['fraction']:.0%}{ci} of steps (per seed, paired by step)"
+
+
+def _mismatch_claim(number: int, claim: str, runs, sums, base: str, others: Sequence[str], cfg) -> ClaimResult:
+    ds = [paired(sums, base, rc, "mismatch_median")[0] for rc in others]
+    comps = [compare(f"{rc} − {base}", d, cfg, MISMATCH_UNIT) for rc, d in zip(others, ds)]
+    usable = bool(comps) and all(c.n >= 2 for c in comps)
+    status = VERDICT[int(st.decide_positive(ds, cfg.alpha))] if usable else INCONCLUSIVE
+    order = [o for o in (step_order(runs, base, rc, cfg) for rc in others) if o]
+    orders = "; ".join(_order_text(o) for o in order)
+    evidence = _median_text(sums, [base, *others]) + (f". {orders}" if orders else "")
+    statistic = "per-seed paired difference of per-run median mismatch (> 0: " + base + " lower)"
+    return ClaimResult(number, claim, status, comps, statistic, evidence, step_order=order)
+
+
+def _recipe_rank(recipe: str) -> tuple:
+    return (RECIPE_ORDER.index(recipe), "") if recipe in RECIPE_ORDER else (len(RECIPE_ORDER), recipe)
+
+
+def claim_lowest_mismatch(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
+                          sums: Sequence[RunSummary] | None = None) -> ClaimResult:
+    cfg = cfg or AnalysisConfig()
+    sums = summarize_all(runs, cfg.trim) if sums is None else sums
+    others = sorted({s.recipe for s in sums} - {"bf16", "?"}, key=_recipe_rank)
+    res = _mismatch_claim(1, "bf16 has the lowest mismatch", runs, sums, "bf16", others, cfg)
+    if not select(sums, "bf16") or not others:
+        res.status = INCONCLUSIVE
+    return res
+
+
+def claim_e2e_below_gen(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
+                        sums: Sequence[RunSummary] | None = None) -> ClaimResult:
+    cfg = cfg or AnalysisConfig()
+    sums = summarize_all(runs, cfg.trim) if sums is None else sums
+    return _mismatch_claim(2, "fp8_e2e mismatch < fp8_gen mismatch", runs, sums, "fp8_e2e", ["fp8_gen"], cfg)
+
+
+def _accuracy(sums: Sequence[RunSummary], recipe: str, isv: str) -> dict[str, float]:
+    return {s.seed: s.final_accuracy for s in select(sums, recipe, isv) if np.isfinite(s.final_accuracy)}
+
+
+def _baseline_isv(sums: Sequence[RunSummary]) -> str | None:
+    settings = {s.importance_sampling for s in select(sums, "bf16")}
+    return "none" if "none" in settings else (sorted(settings)[0] if settings else None)
+
+
+def gap_statistic(ref: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """d_s = sgn · (b_s − a_s), sgn = sign(mean_s(ref_s − (a_s + b_s)/2)); arrays [..., n] (claim 3).
+    mean(d) > 0 ⟺ |mean(ref − b)| < |mean(ref − a)|: with IS the gap to the reference is smaller."""
+    sgn = np.sign(np.mean(ref - (a + b) / 2, axis=-1, keepdims=True)) if ref.shape[-1] else 0.0
+    return sgn * (b - a)
+
+
+def claim_is_narrows_gap(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
+                         sums: Sequence[RunSummary] | None = None) -> ClaimResult:
+    cfg = cfg or AnalysisConfig()
+    sums = summarize_all(runs, cfg.trim) if sums is None else sums
+    v, base = choose_is_variant(sums, cfg.is_variant), _baseline_isv(sums)
+    claim = f"IS ({v or 'none found'}) narrows fp8_gen's accuracy gap to bf16"
+    ref, a = _accuracy(sums, "bf16", base or ""), _accuracy(sums, "fp8_gen", "none")
+    b = _accuracy(sums, "fp8_gen", v or "")
+    seeds = sorted(set(ref) & set(a) & set(b))
+    r_, a_, b_ = (np.array([x[s] for s in seeds]) * 100 for x in (ref, a, b))
+    d = gap_statistic(r_, a_, b_)
+    comp = compare(f"fp8_gen+{v} − fp8_gen+none, towards bf16", d, cfg, ACC_UNIT)
+    status = VERDICT[int(st.decide_positive([d], cfg.alpha))] if d.size >= 2 and d.any() else INCONCLUSIVE
+    gaps = (f"bf16 {r_.mean():.1f}%, fp8_gen no IS {a_.mean():.1f}%, IS {v} {b_.mean():.1f}%: gap without IS "
+            f"{(r_ - a_).mean():+.1f} pts, with IS {(r_ - b_).mean():+.1f} pts over {len(seeds)} seeds"
+            if seeds else "no seed has all three cells")
+    statistic = "per-seed paired change of fp8_gen's final accuracy with IS, signed towards bf16 (> 0: gap narrowed)"
+    return ClaimResult(3, claim, status, [comp], statistic, gaps)
+
+
+def claim_e2e_is_matches_bf16(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
+                              sums: Sequence[RunSummary] | None = None) -> ClaimResult:
+    cfg = cfg or AnalysisConfig()
+    sums = summarize_all(runs, cfg.trim) if sums is None else sums
+    v = choose_is_variant(sums, cfg.is_variant)
+    settings = {s.importance_sampling for s in select(sums, "bf16")}
+    ref_isv = v if v in settings else _baseline_isv(sums)
+    claim = f"fp8_e2e + IS ({v or 'none found'}) matches bf16's final accuracy (TOST ±{cfg.equivalence_margin:g} pts)"
+    d, seeds = (paired(sums, "bf16", "fp8_e2e", "final_accuracy", isv=ref_isv, isv_b=v) if v and ref_isv
+                else (np.zeros(0), []))
+    d = d * 100
+    comp = compare(f"fp8_e2e+{v} − bf16+{ref_isv}", d, cfg, ACC_UNIT, tost=True)
+    status = VERDICT[int(st.decide_equivalence(d, cfg.equivalence_margin, cfg.alpha))] if d.size >= 2 else INCONCLUSIVE
+    statistic = (f"per-seed paired difference of final accuracy (points); TOST at margin "
+                 f"±{cfg.equivalence_margin:g} pts, "
+                 f"{1 - 2 * cfg.alpha:.0%} interval")
+    evidence = f"{len(seeds)} paired seeds; mean difference {fmt_value(comp.effect, ACC_UNIT, signed=True)}"
+    return ClaimResult(4, claim, status, [comp], statistic, evidence, cfg.equivalence_margin)
+
+
+def check_claims(data: SweepData | Sequence[RunHistory], cfg: AnalysisConfig | None = None) -> list[ClaimResult]:
+    cfg = cfg or AnalysisConfig()
+    runs = list(data.runs if isinstance(data, SweepData) else data)
+    sums = summarize_all(runs, cfg.trim)  # once: the claims read the same per-run summaries
+    return [claim(runs, cfg, sums) for claim in
+            (claim_lowest_mismatch, claim_e2e_below_gen, claim_is_narrows_gap, claim_e2e_is_matches_bf16)]

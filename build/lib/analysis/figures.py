@@ -1,0 +1,198 @@
+"""The study's two figures (matplotlib, Agg backend), each saved as PNG and SVG.
+
+- Figure 1 `fig1_token_mult_prob_error`: mismatch vs RL step, one curve per recipe (runs of a recipe
+  pooled over its IS settings: IS changes the update, not the two engines' numerics), mean ± 95% CI
+  band, the usual "acceptable" region 1.03–1.05 shaded, on a log scale of (ratio − 1) (rare tokens on
+  which the engines disagree by many nats make heavy-tailed spikes; see `_log_excess_axis`). Its
+  caption's second line is the paired per-step statistic behind "consistently lower": per seed, the
+  fraction of steps at which one recipe's mismatch is below the other's (same seed and IS setting),
+  its mean over seeds and t interval (`order_note`, `analysis.claims.step_order`).
+- Figure 2 `fig2_val_accuracy`: validation accuracy (%) vs RL step, one curve per recipe × IS.
+Colors are fixed per recipe (Okabe–Ito, colour-blind safe: bf16 blue, fp8_gen vermillion, fp8_e2e
+green) and line styles per IS variant (none solid, token dashed, tis dash-dot, icepop dotted), so a
+curve looks the same in both figures. Legends sit outside the axes; a note under each figure says
+what the band is ("mean ± 95% CI (Student t over N seeds)"); steps with one seed have no band.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display here or on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import numpy as np  # noqa: E402
+
+from analysis.aggregate import Curve, curves  # noqa: E402
+from analysis.claims import step_order  # noqa: E402
+from analysis.config import AnalysisConfig  # noqa: E402
+from analysis.fetch import SweepData  # noqa: E402
+from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC  # noqa: E402
+
+RECIPE_COLORS = {"bf16": "#0072B2", "fp8_gen": "#D55E00", "fp8_e2e": "#009E73"}
+EXTRA_COLORS = ("#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999")
+IS_STYLES = {"none": "-", "token": "--", "tis": "-.", "icepop": ":", "sequence": (0, (6, 2, 1, 2, 1, 2))}
+EXTRA_STYLES = ((0, (8, 3)), (0, (1, 1)), (0, (4, 1, 1, 1)))
+IS_MARKERS = {"none": "o", "token": "s", "tis": "^", "icepop": "D", "sequence": "v"}
+ACCEPTABLE = (1.03, 1.05)
+EXCESS_FLOOR = 1e-9  # Figure 1's log axis shows ratio - 1 down to this (an FP32 baseline sits near 1e-7)
+FIG1, FIG2 = "fig1_token_mult_prob_error", "fig2_val_accuracy"
+
+
+def recipe_color(recipe: str, seen: Sequence[str] = ()) -> str:
+    if recipe in RECIPE_COLORS:
+        return RECIPE_COLORS[recipe]
+    extras = sorted(r for r in set(seen) | {recipe} if r not in RECIPE_COLORS)
+    return EXTRA_COLORS[extras.index(recipe) % len(EXTRA_COLORS)]
+
+
+def is_style(variant: str, seen: Sequence[str] = ()):
+    if variant in IS_STYLES:
+        return IS_STYLES[variant]
+    extras = sorted(v for v in set(seen) | {variant} if v not in IS_STYLES)
+    return EXTRA_STYLES[extras.index(variant) % len(EXTRA_STYLES)]
+
+
+def is_label(variant: str) -> str:
+    return "no IS" if variant == "none" else f"IS {variant}"
+
+
+def ci_note(cs: Sequence[Curve], pooled: str = "") -> str:
+    """'mean ± 95% CI (Student t over 3 seeds)'; n as a range when groups differ. With `pooled` (a
+    text saying what one curve pools, e.g. seeds × IS settings) n counts runs instead of seeds."""
+    counts = sorted({int(c.n.max()) for c in cs if c.n.size})
+    n = "?" if not counts else str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    what = "run" if pooled else "seed"
+    text = f"mean ± 95% CI (Student t over {n} {what}{'' if n == '1' else 's'}{'; ' + pooled if pooled else ''})"
+    return text + ("; no band where fewer than 2" if counts and counts[0] < 2 else "")
+
+
+def _plot(ax, cs: Sequence[Curve], labels: Sequence[str], colors, styles, markers, scale: float,
+          band_alpha: float, bounds: tuple[float, float] | None = None) -> None:
+    """bounds: the metric's range (an accuracy lies in [0, 100] %): CI bands are clipped to it."""
+    for c, label, color, style, marker in zip(cs, labels, colors, styles, markers):
+        ax.plot(c.steps, c.mean * scale, color=color, linestyle=style, linewidth=2.0, label=label, marker=marker,
+                markersize=4.5, markerfacecolor="white" if marker not in (None, "o") else color)
+        if np.isfinite(c.half).any():  # NaN half-widths (n < 2) leave gaps in the band
+            lo, hi = c.lo * scale, c.hi * scale
+            if bounds is not None:
+                lo, hi = np.clip(lo, *bounds), np.clip(hi, *bounds)
+            ax.fill_between(c.steps, lo, hi, color=color, alpha=band_alpha, linewidth=0)
+
+
+def _finish(ax, title: str, subtitle: str, xlabel: str, ylabel: str, note: str, legend_title: str) -> None:
+    ax.set_title(f"{title}\n{subtitle}", loc="left", fontsize=12)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+    ax.spines[["top", "right"]].set_visible(False)
+    if not ax.get_lines():  # e.g. a report early in a sweep, before the first validation step
+        ax.text(0.5, 0.5, "no values logged yet", transform=ax.transAxes, ha="center", va="center", color="#777777")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, fontsize=9, title=legend_title,
+                  title_fontsize=9, alignment="left")
+    # a caption under the x label (bbox_inches="tight" keeps it in the saved file)
+    ax.annotate(note, xy=(0, 0), xycoords="axes fraction", xytext=(0, -38), textcoords="offset points",
+                va="top", ha="left", fontsize=8.5, color="#444444")
+
+
+def save(fig, out_dir: str | Path, stem: str) -> list[Path]:
+    """`stem.png` (150 dpi) and `stem.svg`; the figure is closed."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.png", out / f"{stem}.svg"]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(paths[1], bbox_inches="tight", metadata={"Date": None})  # no timestamp: stable files
+    plt.close(fig)
+    return paths
+
+
+def _log_excess_axis(ax, cs: Sequence[Curve]) -> None:
+    """y on a log scale of (ratio - 1), labelled in ratio units (1 + 1e-7, 1.001, 1.01, 1.1, 2, 11, ...).
+
+    Why: the metric is a mean of exp|dlogp|, so one token the engines disagree on by 10 nats lifts
+    a step to ~100 while typical steps sit at 1.001-1.02; on a linear axis the spikes flatten every
+    curve into one line (and a symmetric CI band dips below 1, which the ratio never does)."""
+    values = np.concatenate([v[np.isfinite(v)] for c in cs for v in (c.mean, c.hi)] + [np.array(ACCEPTABLE)])
+    excess = np.clip(values - 1.0, EXCESS_FLOOR, None)
+    ax.set_yscale("function", functions=(lambda y: np.log10(np.clip(y - 1.0, EXCESS_FLOOR, None)),
+                                         lambda e: 1.0 + 10.0 ** e))
+    ax.set_ylim(1.0 + excess.min() / 2, 1.0 + excess.max() * 2)
+    powers = range(-9, 5)
+    ticks = [1.0 + 10.0 ** k for k in powers]
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+    labels = [f"{t:.6g}" if k >= -5 else f"1 + 1e{k}" for k, t in zip(powers, ticks)]  # .6g would print "1"
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FixedFormatter(labels))
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+ORDER_PAIRS = (("bf16", "fp8_gen"), ("bf16", "fp8_e2e"), ("fp8_e2e", "fp8_gen"))  # (expected lower, higher)
+
+
+def order_note(data: SweepData, cfg: AnalysisConfig | None = None) -> str:
+    """'paired per step (...), fraction of steps (mean over 5 seeds, 95% t interval):\nbf16 < fp8_gen at 99%
+    [98%, 100%] · ...' for the study's pairs present in `data`; '' when none is."""
+    cfg = cfg or AnalysisConfig()
+    parts, ns = [], set()
+    for low, high in ORDER_PAIRS:
+        o = step_order(data.runs, low, high, cfg)
+        if o is None:
+            continue
+        ci = f" [{o['ci'][0]:.0%}, {o['ci'][1]:.0%}]" if np.isfinite(o["ci"][0]) else ""
+        parts.append(f"{low} < {high} at {o['fraction']:.0%}{ci}")
+        ns.add(o["n"])
+    if not parts:
+        return ""
+    n = "/".join(str(k) for k in sorted(ns))
+    return (f"paired per step (same seed and IS setting), fraction of steps (mean over {n} seeds, "
+            f"{1 - cfg.alpha:.0%} t interval):\n" + " · ".join(parts))
+
+
+def mismatch_figure(data: SweepData, by: Sequence[str] = ("recipe",), cfg: AnalysisConfig | None = None):
+    """Figure 1 as a matplotlib Figure (not saved): one curve per recipe; the caption adds `order_note`."""
+    cs = curves(data, M_MISMATCH, by=by)
+    recipes = [c.group.get("recipe", "?") for c in cs]
+    fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
+    _plot(ax, cs, [c.label for c in cs], [recipe_color(r, recipes) for r in recipes], ["-"] * len(cs),
+          [None] * len(cs), 1.0, 0.15, bounds=(1.0 + EXCESS_FLOOR, np.inf))  # the ratio is >= 1 by definition
+    # references drawn after the curves (legend order) but beneath them (zorder)
+    ax.axhspan(*ACCEPTABLE, color="#E69F00", alpha=0.14, linewidth=0, zorder=0,
+               label="usual acceptable bound (1.03–1.05)")
+    _log_excess_axis(ax, cs)
+    variants = sorted({r.get("importance_sampling", "?") for r in data.runs})
+    seeds = len({r.get("seed", "?") for r in data.runs})
+    pooled = (f"runs per recipe = {seeds} seeds × {len(variants)} IS settings"
+              if len(variants) > 1 and "importance_sampling" not in by else "")
+    order = order_note(data, cfg)
+    _finish(ax, "Figure 1 · Generation vs training mismatch", _subtitle(data), "RL step",
+            "token_mult_prob_error  (log scale of ratio − 1)", ci_note(cs, pooled) + (f"\n{order}" if order else ""),
+            "recipe")
+    return fig
+
+
+def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_sampling")):
+    """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS."""
+    cs = curves(data, M_VAL_ACC, by=by)
+    recipes = [c.group.get("recipe", "?") for c in cs]
+    variants = [c.group.get("importance_sampling", "none") for c in cs]
+    scale = 100.0 if all(np.nanmax(np.abs(c.values)) <= 1.0 for c in cs) else 1.0  # fractions: show %
+    fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
+    labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]
+    _plot(ax, cs, labels, [recipe_color(r, recipes) for r in recipes], [is_style(v, variants) for v in variants],
+          [IS_MARKERS.get(v, "P") for v in variants], scale, 0.09, bounds=(0.0, scale))
+    _finish(ax, "Figure 2 · Validation accuracy", _subtitle(data), "RL step",
+            "validation accuracy (%, pass@1 at rollout T)" if scale == 100 else "validation accuracy", ci_note(cs),
+            "recipe · importance sampling")
+    return fig
+
+
+def _subtitle(data: SweepData) -> str:
+    return f"sweep {data.sweep_name or '?'} · {len(data.runs)} runs"
+
+
+def make_figures(data: SweepData, out_dir: str | Path, cfg: AnalysisConfig | None = None) -> dict[str, list[Path]]:
+    """Both figures as PNG + SVG under `out_dir`: `{"fig1": [png, svg], "fig2": [png, svg]}`."""
+    return {"fig1": save(mismatch_figure(data, cfg=cfg), out_dir, FIG1),
+            "fig2": save(accuracy_figure(data), out_dir, FIG2)}

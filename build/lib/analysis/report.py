@@ -1,0 +1,140 @@
+"""`make_report`: MLflow -> figures + summary table + claim checks, logged back to the parent run.
+
+    paths = make_report("sqlite:///mlflow.db", "fp8rl", "fp8_ablation", "outputs/report", config=cfg)
+    paths.report         # report.md linking fig1/fig2 (PNG+SVG), summary.md/.csv, claims.md/.json/.txt
+    print(paths.verdicts_text)                 # the claims table for the terminal (`sweep report`)
+    print(json.dumps(paths.verdicts))          # the same as JSON (`sweep report --json`)
+
+Safe to run at any time, also mid-sweep (unfinished runs contribute the steps they have logged;
+the report says how many runs are FINISHED). Artifacts go under `report/` of the parent run and
+replace the previous report's files of the same name; the parent run also gets one tag per claim
+(`fp8rl.claim.1` = PASS, ...), so the verdicts show in the MLflow runs table.
+
+MLflow 3.17's UI opens an experiment on its GenAI "Overview" unless the browser has chosen "Model
+training" once (the experiment tag `mlflow.experimentKind` is not read for that): `ui_link` gives the
+address that opens the runs table (`?workflowType=machine_learning`).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from analysis.claims import ClaimResult, check_claims
+from analysis.config import AnalysisConfig
+from analysis.fetch import SweepData, fetch_sweep
+from analysis.figures import make_figures, order_note
+from analysis.rleval import rleval_markdown
+from analysis.summaries import summarize_all, tails_markdown
+from analysis.table import markdown_table, summary_rows, write_table
+from analysis.verdicts import format_verdicts, verdicts_json, verdicts_markdown
+
+ARTIFACT_DIR = "report"
+CLAIM_TAG = "fp8rl.claim.{}"
+UI_QUERY = "workflowType=machine_learning"  # MLflow 3.17: open on "Model training", not the GenAI overview
+DEFAULT_UI = "http://127.0.0.1:5000"
+
+
+def ui_link(uri: str, experiment_id: str | None, run_id: str | None = None) -> str:
+    """The MLflow UI address of the experiment's runs table (or of one run) in its "Model training" view.
+    For an http(s) tracking URI that server's address; otherwise `mlflow ui`'s default address."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI
+    page = f"{base}/#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
+    return f"{page}?{UI_QUERY}"
+
+
+@dataclass
+class ReportPaths:
+    out_dir: Path
+    report: Path
+    figures: dict[str, list[Path]]
+    table_md: Path
+    table_csv: Path
+    claims: Path
+    logged_to: str | None = None  # the parent run id the files were logged to
+    statuses: dict[str, int] = field(default_factory=dict)
+    results: list[ClaimResult] = field(default_factory=list)
+    verdicts_text: str = ""  # `format_verdicts`: print this in the terminal
+    verdicts: dict = field(default_factory=dict)  # `verdicts_json`: json.dumps this for --json
+    ui_link: str = ""
+
+    @property
+    def claims_json(self) -> Path:
+        return self.claims.with_suffix(".json")
+
+    @property
+    def claims_txt(self) -> Path:
+        return self.claims.with_suffix(".txt")
+
+    def files(self) -> list[Path]:
+        return [self.report, *(p for ps in self.figures.values() for p in ps), self.table_md, self.table_csv,
+                self.claims, self.claims_json, self.claims_txt]
+
+
+def _report_text(data: SweepData, figures: dict[str, list[Path]], claims_md: str, table_md: str,
+                 extra: str = "", cfg: AnalysisConfig | None = None) -> str:
+    statuses = Counter(r.status for r in data.runs)
+    state = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no runs"
+    out = [f"# Sweep report: {data.sweep_name}", "",
+           f"Tracking URI `{data.uri}`, parent run `{data.parent_run_id}`, {len(data.runs)} child runs ({state}).",
+           f"In the MLflow UI: {ui_link(data.uri, data.experiment_id, data.parent_run_id)}", ""]
+    for title, key in (("Figure 1: token_mult_prob_error per recipe", "fig1"),
+                       ("Figure 2: validation accuracy per recipe × IS", "fig2")):
+        png, svg = figures[key]
+        out += [f"## {title}", "", f"![{title}]({png.name})", "", f"([SVG]({svg.name}))", ""]
+        order = order_note(data, cfg) if key == "fig1" else ""
+        if order:  # Figure 1's "consistently lower", as the paired per-step statistic
+            out += [order[0].upper() + order[1:].replace(":\n", ": ") + ".", ""]
+    out += ["## Claims", "", claims_md, "## Summary", "", table_md, extra]
+    return "\n".join(out)
+
+
+def _extra_sections(data: SweepData, cfg: AnalysisConfig) -> str:
+    sums = summarize_all(data.runs, cfg.trim)
+    return "\n".join(["## Mismatch per run: robust summaries and tails", "", tails_markdown(sums),
+                      "## RL-evaluation view: IQM and probability of improvement", "", rleval_markdown(sums, cfg)])
+
+
+def _write_claims(out: Path, results: list[ClaimResult], cfg: AnalysisConfig) -> tuple[Path, str, str, dict]:
+    md, text, js = verdicts_markdown(results, cfg), format_verdicts(results, cfg), verdicts_json(results, cfg)
+    path = out / "claims.md"
+    path.write_text("# Claim checks\n\n" + md)
+    path.with_suffix(".txt").write_text(text + "\n")
+    path.with_suffix(".json").write_text(json.dumps(js, indent=2) + "\n")
+    return path, md, text, js
+
+
+def _log_to_parent(uri: str, paths: ReportPaths) -> None:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    for path in paths.files():
+        client.log_artifact(paths.logged_to, str(path), ARTIFACT_DIR)
+    for r in paths.results:
+        client.set_tag(paths.logged_to, CLAIM_TAG.format(r.number), r.status)
+
+
+def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path, parent_run_id: str | None = None,
+                log_artifacts: bool = True, config: AnalysisConfig | None = None) -> ReportPaths:
+    """Write figures, tables, claims and `report.md` to `out_dir`; log them to the sweep's parent run.
+    The returned paths carry the verdicts: `.verdicts_text` (terminal) and `.verdicts` (JSON-ready)."""
+    cfg = config or AnalysisConfig()
+    data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id)
+    if not data.runs:
+        raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet")
+    out = Path(out_dir)
+    figures = make_figures(data, out, cfg)
+    table_md_path, table_csv_path = write_table(data, out)
+    results = check_claims(data, cfg)
+    claims_path, claims_md, text, js = _write_claims(out, results, cfg)
+    report = out / "report.md"
+    body = _report_text(data, figures, claims_md, markdown_table(summary_rows(data)), _extra_sections(data, cfg), cfg)
+    report.write_text(body)
+    paths = ReportPaths(out, report, figures, table_md_path, table_csv_path, claims_path,
+                        statuses=dict(Counter(r.status for r in data.runs)), results=results, verdicts_text=text,
+                        verdicts=js, ui_link=ui_link(uri, data.experiment_id, data.parent_run_id))
+    if log_artifacts and data.parent_run_id:
+        paths.logged_to = data.parent_run_id
+        _log_to_parent(uri, paths)
+    return paths

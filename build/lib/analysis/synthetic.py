@@ -1,0 +1,129 @@
+"""A synthetic sweep with known means, for tests, the UI screenshot script and trying the report.
+
+    runs = synthetic_runs(seeds=3, steps=30)                  # list[RunHistory], in memory
+    parent = log_sweep("sqlite:///demo.db", "fp8rl", "demo", runs)   # the same runs in MLflow
+
+Values: per run, `token_mult_prob_error = 1 + (mismatch[recipe] − 1) · exp(seed offset (sd 0.15) +
+step noise (sd 0.08))` (>= 1, as the real metric); `val_accuracy` every `val_every` steps rises
+linearly from `acc0` to `final_acc[(recipe, IS)]` + seed offset (sd 0.015). Options with known
+effects for the claim tests:
+- `shared_sd`: a per-seed accuracy offset common to every cell of that seed (the seed's prompts), so
+  paired differences cancel it and unpaired comparisons do not;
+- `spikes`: `{(recipe, IS, seed): value}` sets 3 steps of that run's mismatch to `value` (the
+  heavy-tailed spikes of real runs);
+- `tails`: also log `logprob_abs_diff_frac_gt_{0.1,1,10}` per step.
+`constant_runs` builds small sweeps with constant histories (exact per-run summaries);
+`simulate_cells` draws per-run summaries for thousands of sweeps at once (numpy), for the error-rate
+and power tests of the claims' decision rules. No claim about real FP8 runs is made by these numbers.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from analysis.fetch import RunHistory
+from analysis.summaries import FRAC_METRICS
+
+MISMATCH = {"bf16": 1.004, "fp8_gen": 1.06, "fp8_e2e": 1.02}
+FINAL_ACC = {("bf16", "none"): 0.70, ("bf16", "token"): 0.70, ("fp8_gen", "none"): 0.52,
+             ("fp8_gen", "token"): 0.66, ("fp8_e2e", "none"): 0.63, ("fp8_e2e", "token"): 0.69}
+STEP_TIME = {"bf16": 1.0, "fp8_gen": 1.25, "fp8_e2e": 1.4}
+CONST_STEPS = np.arange(8)
+
+
+def synthetic_runs(recipes: Sequence[str] = ("bf16", "fp8_gen", "fp8_e2e"),
+                   is_variants: Sequence[str] = ("none", "token"),
+                   seeds: int = 3, steps: int = 21, val_every: int = 5, mismatch: Mapping[str, float] = MISMATCH,
+                   final_acc: Mapping[tuple[str, str], float] = FINAL_ACC, acc0: float = 0.3,
+                   seed_sd: float = 0.015, rng_seed: int = 0, shared_sd: float = 0.0,
+                   spikes: Mapping[tuple[str, str, int], float] | None = None, tails: bool = False) -> list[RunHistory]:
+    """One RunHistory per (recipe, IS, seed); its `metrics` are the exact values a test compares to."""
+    rng = np.random.default_rng(rng_seed)
+    shared = np.random.default_rng([rng_seed, 1]).normal(0, shared_sd, seeds) if shared_sd else np.zeros(seeds)
+    runs = []
+    all_steps = np.arange(steps, dtype=np.int64)
+    val_steps = np.unique(np.r_[np.arange(0, steps, val_every), steps - 1]).astype(np.int64)
+    for recipe in recipes:
+        for isv in is_variants:
+            for seed in range(seeds):
+                excess = mismatch.get(recipe, 1.03) - 1.0  # the metric is >= 1 by definition: noise it multiplicatively
+                mm = 1.0 + excess * np.exp(rng.normal(0, 0.15) + rng.normal(0, 0.08, steps))
+                if spikes and (recipe, isv, seed) in spikes:
+                    mm[[steps // 4, steps // 2, (3 * steps) // 4]] = spikes[(recipe, isv, seed)]
+                target = final_acc.get((recipe, isv), 0.6) + rng.normal(0, seed_sd) + shared[seed]
+                acc = acc0 + (target - acc0) * val_steps / max(steps - 1, 1) + rng.normal(0, 0.004, val_steps.size)
+                acc[-1] = target
+                step_time = STEP_TIME.get(recipe, 1.0) * (1 + rng.normal(0, 0.02, steps))
+                metrics = {
+                    "token_mult_prob_error": (all_steps, mm),
+                    "val_accuracy": (val_steps, acc),
+                    "reward_mean": (all_steps, np.interp(all_steps, val_steps, acc) + rng.normal(0, 0.02, steps)),
+                    "is_weight_mean": (all_steps, 1 + rng.normal(0, 0.01, steps) * (isv != "none")),
+                    "loss": (all_steps, 0.5 * np.exp(-all_steps / steps) + rng.normal(0, 0.01, steps)),
+                    "step_time_s": (all_steps, step_time),
+                    "tokens_per_s": (all_steps, 1024 / step_time),
+                }
+                if tails:
+                    for i, key in enumerate(FRAC_METRICS):
+                        metrics[key] = (all_steps, np.clip((mm - 1) * 10.0 ** -i, 0, 1))
+                tags = {"recipe": recipe, "importance_sampling": isv, "seed": str(seed),
+                        "cell_id": f"{recipe}-{isv}-{seed}"}
+                params = {"recipe": recipe, "loss.importance_sampling": isv, "seed": str(seed)}
+                runs.append(RunHistory("", f"{recipe}-{isv}-s{seed}", "FINISHED", tags, params, metrics))
+    return runs
+
+
+def log_sweep(uri: str, experiment: str, sweep_name: str, runs: Sequence[RunHistory],
+              config_dir: str | Path | None = None) -> str:
+    """Write `runs` as a sweep (parent + child runs, through `fp8rl_core.tracking.runs`); sets each
+    run's `run_id`; returns the parent run id. Metrics go in `log_batch` calls of <= 1000."""
+    from mlflow import MlflowClient
+    from mlflow.entities import Metric
+
+    from fp8rl_core.tracking import runs as tr
+
+    exp_id = tr.ensure_experiment(uri, experiment)
+    parent = tr.create_parent_run(uri, experiment, sweep_name, params={"seeds": len({r.tags["seed"] for r in runs})},
+                                  config={"experiment": experiment, "name": sweep_name})
+    client = MlflowClient(uri)
+    for run in runs:
+        tags = {k: v for k, v in run.tags.items() if k != "cell_id"}
+        run.run_id, _ = tr.find_or_create_cell_run(uri, exp_id, parent, run.tags["cell_id"], tags=tags,
+                                                   params=run.params, config=run.params, run_name=run.run_name)
+        metrics = [Metric(k, float(v), 1_700_000_000_000 + int(s), int(s))
+                   for k, (steps, values) in run.metrics.items() for s, v in zip(steps, values)]
+        for i in range(0, len(metrics), 1000):
+            client.log_batch(run.run_id, metrics=metrics[i : i + 1000], synchronous=True)
+        client.set_terminated(run.run_id, run.status)
+    return parent
+
+
+def simulate_cells(rng: np.random.Generator, sims: int, seeds: int, means: Mapping[str, float],
+                   seed_sd: float = 0.0, run_sd: float = 1.0) -> dict[str, np.ndarray]:
+    """Per-run summaries of `sims` sweeps × `seeds` seeds for each cell in `means`: `{cell: [sims, seeds]}`,
+    x = means[cell] + u_seed (sd `seed_sd`, shared by every cell of that seed) + e (sd `run_sd`, per run).
+    A paired difference of two cells then has sd run_sd·√2, whatever seed_sd is."""
+    shared = rng.normal(0.0, seed_sd, (sims, seeds))
+    return {cell: mu + shared + rng.normal(0.0, run_sd, (sims, seeds)) for cell, mu in means.items()}
+
+
+def constant_runs(mismatch: dict[str, list[float]] | None = None, acc: dict[tuple[str, str], list[float]] | None = None,
+                  spikes: dict[tuple[str, int], float] | None = None) -> list[RunHistory]:
+    """One run per cell with constant histories. `mismatch`: per recipe, one value per seed, logged by the
+    IS none and token cells of that seed; `acc`: per (recipe, IS), one final accuracy per seed; `spikes`:
+    (recipe, seed) -> a value put on 2 of that seed's IS-none steps."""
+    cells: dict[tuple[str, str, int], dict] = {}
+    for recipe, values in (mismatch or {}).items():
+        for seed, v in enumerate(values):
+            for isv in ("none", "token"):
+                mm = np.full(CONST_STEPS.size, v)
+                if isv == "none" and spikes and (recipe, seed) in spikes:
+                    mm[[2, 5]] = spikes[(recipe, seed)]
+                cells.setdefault((recipe, isv, seed), {})["token_mult_prob_error"] = (CONST_STEPS, mm)
+    for (recipe, isv), values in (acc or {}).items():
+        for seed, v in enumerate(values):
+            cells.setdefault((recipe, isv, seed), {})["val_accuracy"] = (CONST_STEPS[:4], np.r_[0.1, 0.2, 0.3, v])
+    return [RunHistory(f"{r}-{i}-{s}", "", "FINISHED", {"recipe": r, "importance_sampling": i, "seed": str(s)}, {}, m)
+            for (r, i, s), m in cells.items()]

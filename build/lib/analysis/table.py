@@ -1,0 +1,92 @@
+"""The summary table: one row per group (recipe × IS), Markdown for people and CSV for programs.
+
+Per run a number is reduced from its history, then mean ± 95% CI (Student t) is taken over seeds:
+- final_val_accuracy: `val_accuracy` at the run's last validation step (a fraction; Markdown shows %);
+- mismatch: the median over steps of `token_mult_prob_error` (as claims 1–2: a few spikes in the
+  hundreds make a mean over steps meaningless; the report's tails table has mean, p99 and max);
+- is_weight_mean, step_time_s, tokens_per_s: the mean over steps (means over seeds, no CI);
+  `tokens_per_s` is blank when runs did not log it.
+CSV: plain numbers (empty when undefined), `*_ci95` columns are the CI half-widths.
+"""
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from analysis.aggregate import DEFAULT_GROUP_KEYS, final_value, group_estimates, group_runs, mean_value, median_value
+from analysis.fetch import SweepData
+from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_STEP_TIME, M_TOKENS_PER_S, M_VAL_ACC
+
+COLUMNS = ("recipe", "importance_sampling", "seeds", "final_val_accuracy", "final_val_accuracy_ci95",
+           "mismatch", "mismatch_ci95", "is_weight_mean", "step_time_s", "tokens_per_s")
+
+
+def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS) -> list[dict]:
+    """One dict per group with the COLUMNS (group keys beyond recipe/IS are added in front)."""
+    acc = group_estimates(data.runs, M_VAL_ACC, final_value, by)
+    mm = group_estimates(data.runs, M_MISMATCH, median_value, by)
+    isw = group_estimates(data.runs, M_IS_WEIGHT, mean_value, by)
+    st = group_estimates(data.runs, M_STEP_TIME, mean_value, by)
+    tps = group_estimates(data.runs, M_TOKENS_PER_S, mean_value, by)
+    rows = []
+    for group, members in group_runs(data.runs, by).items():
+        row: dict = dict(zip(by, group))
+        row.update(seeds=len(members),
+                   final_val_accuracy=acc[group].mean, final_val_accuracy_ci95=acc[group].half,
+                   mismatch=mm[group].mean, mismatch_ci95=mm[group].half, is_weight_mean=isw[group].mean,
+                   step_time_s=st[group].mean, tokens_per_s=tps[group].mean)
+        rows.append(row)
+    return rows
+
+
+def _num(x: float, fmt: str) -> str:
+    return "" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def _pm(mean: float, half: float, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+    if not math.isfinite(mean):
+        return "–"
+    text = format(mean * scale, fmt)
+    if math.isfinite(half):
+        text += f" ± {format(half * scale, fmt)}"
+    return text + unit
+
+
+def markdown_table(rows: Sequence[dict], by: Sequence[str] = DEFAULT_GROUP_KEYS) -> str:
+    """A GitHub-style Markdown table; accuracy in % when the values are fractions."""
+    pct = all(not math.isfinite(r["final_val_accuracy"]) or r["final_val_accuracy"] <= 1.0 for r in rows)
+    scale, unit = (100.0, " %") if pct else (1.0, "")
+    head = [*by, "seeds", "final val accuracy", "mismatch (median over steps)", "mean IS weight",
+            "step time (s)", "tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(by) + ["--:"] * 6) + "|"]
+    for r in rows:
+        cells = [str(r[k]) for k in by] + [
+            str(r["seeds"]),
+            _pm(r["final_val_accuracy"], r["final_val_accuracy_ci95"], ".1f", scale, unit),
+            _pm(r["mismatch"], r["mismatch_ci95"], ".4f"),
+            _num(r["is_weight_mean"], ".3f") or "–",
+            _num(r["step_time_s"], ".2f") or "–",
+            _num(r["tokens_per_s"], ".0f") or "–",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    note = "Mean ± 95% CI half-width over seeds (Student t); no ± with one seed."
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def write_table(data: SweepData, out_dir: str | Path, stem: str = "summary",
+                by: Sequence[str] = DEFAULT_GROUP_KEYS) -> tuple[Path, Path]:
+    """`summary.md` and `summary.csv` under `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(data, by)
+    md, cs = out / f"{stem}.md", out / f"{stem}.csv"
+    md.write_text(markdown_table(rows, by))
+    columns = list(by) + [c for c in COLUMNS if c not in ("recipe", "importance_sampling")]
+    with open(cs, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: (_num(v, ".6g") if isinstance(v, float) else v) for k, v in r.items()})
+    return md, cs

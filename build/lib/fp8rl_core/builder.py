@@ -1,0 +1,143 @@
+"""Build everything one run needs from its RunConfig: tokenizer, task, initial weights, both engines.
+
+Backends are chosen here by name (`engines.generation`, `engines.training`); the optional GPU ones
+(vLLM, Megatron-Core) are imported only when asked for, so a CPU install never needs them.
+
+Ranks (fp8rl_core/distributed): the process group is joined here from the launcher's environment
+(torchrun, multi-task SLURM); world size 1 builds exactly the single-process context. Each rank gets
+its own generation engine whose sampling seed is `rank_seed(seed, rank)` (rank 0: the run's seed).
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl_core.config import RunConfig
+from fp8rl_core.distributed.mesh import SINGLE, Mesh
+from fp8rl_core.grpo_step import RunContext
+from fp8rl_core.recipes import get_recipe
+from fp8rl_core.schema import ConfigError
+
+
+def resolve_device(cfg: RunConfig) -> str:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: 'cuda' requested but torch.cuda.is_available() is False; use device=cpu or auto")
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def compute_dtype(cfg: RunConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+
+
+def load_tokenizer(cfg: RunConfig) -> Any:
+    from fp8rl_core.model.tokenizer import Tokenizer, char_tokenizer
+
+    if cfg.model.path and (Path(cfg.model.path) / "tokenizer.json").exists():
+        return Tokenizer.from_file(Path(cfg.model.path) / "tokenizer.json")
+    return char_tokenizer()
+
+
+def initial_checkpoint(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> Path:
+    """The weights every cell starts from: the user's checkpoint, else the cached warm start."""
+    from fp8rl_core.warmstart import warm_start
+
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    return warm_start(cfg, tokenizer, task, progress=progress)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """Sampling seed of rank `rank`'s generation engine: the run's seed on rank 0, else a stable
+    63-bit hash of (seed, rank), so that ranks draw independent streams and a rerun draws the same."""
+    return seed if rank == 0 else random.Random(f"fp8rl-gen-{seed}-rank{rank}").getrandbits(63)
+
+
+def check_data_parallel(cfg: RunConfig, mesh: Mesh) -> None:
+    """P prompts split by whole GRPO groups over the ranks: P must be a multiple of the world size."""
+    P, W = cfg.rollout.prompts_per_step, mesh.world_size
+    if P % W:
+        valid = ", ".join(str(W * k) for k in range(1, 4)) + ", ..."
+        raise ConfigError("rollout.prompts_per_step", f"{P} prompts cannot be split by whole GRPO groups over "
+                          f"{W} data-parallel ranks (world size {W})", f"multiples of {W}: {valid}")
+
+
+def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:
+    if cfg.engines.training != "native":
+        from fp8rl_core.engines.megatron_train import MegatronTrainingEngine  # optional, needs CUDA
+
+        return MegatronTrainingEngine(cfg, path)
+    from fp8rl_core.engines.native_train import NativeTrainingEngine
+    from fp8rl_core.model import load_pretrained
+
+    model = load_pretrained(path, dtype=torch.float32).to(device)  # FP32 master weights
+    return NativeTrainingEngine(model, fp8_training=get_recipe(cfg.recipe).fp8_training, fp8_spec=cfg.fp8,
+                                loss=cfg.loss, optim=cfg.optim, temperature=cfg.rollout.temperature,
+                                compute_dtype=compute_dtype(cfg), mesh=mesh,
+                                micro_batch_size=cfg.train.micro_batch_size,
+                                logprob_batch_size=cfg.train.logprob_batch_size,
+                                cpu_offload=cfg.parallel.cpu_offload,
+                                activation_checkpointing=cfg.parallel.activation_checkpointing,
+                                grad_reduce=cfg.parallel.grad_reduce,
+                                reshard_after_forward=cfg.parallel.reshard_after_forward)
+
+
+def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:
+    """The frozen reference policy of the KL term (kl_coef > 0): compute-dtype weights, no optimizer."""
+    if cfg.engines.training != "native":
+        return build_training_engine(cfg, path, device, mesh)
+    from fp8rl_core.engines.native_train import ReferencePolicy
+    from fp8rl_core.model import load_pretrained
+
+    dtype = compute_dtype(cfg)
+    return ReferencePolicy(load_pretrained(path, dtype=dtype), device=device,
+                           fp8=get_recipe(cfg.recipe).fp8_training, fp8_spec=cfg.fp8,
+                           temperature=cfg.rollout.temperature, compute_dtype=dtype, mesh=mesh,
+                           logprob_batch_size=cfg.train.logprob_batch_size, cpu_offload=cfg.parallel.cpu_offload)
+
+
+def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank: int = 0) -> Any:
+    if cfg.engines.generation != "native":
+        from fp8rl_core.engines.vllm_gen import VllmGenerationEngine  # optional, needs CUDA
+
+        return VllmGenerationEngine(cfg, model_config)
+    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+
+    return NativeGenerationEngine(model_config, fp8=get_recipe(cfg.recipe).fp8_generation, fp8_spec=cfg.fp8,
+                                  dtype=compute_dtype(cfg), device=device, seed=rank_seed(cfg.seed, rank))
+
+
+def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = None) -> RunContext:
+    """Everything one rank of the run needs. mesh None: join the launcher's process group
+    (fp8rl_core.distributed.init_distributed; world size 1 without one)."""
+    from fp8rl_core.tasks import make_task
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    device = resolve_device(cfg)
+    if mesh is None:
+        from fp8rl_core.distributed import init_distributed
+
+        mesh = init_distributed(cfg.parallel.timeout_s, torch.device(device).type)
+    check_data_parallel(cfg, mesh)
+    if mesh.distributed and device == "cuda":
+        device = f"cuda:{mesh.local_rank}"
+    tokenizer = load_tokenizer(cfg)
+    task = make_task(cfg.task)
+    # the warm-start cache is file-locked: one rank trains it, the others wait and read it
+    path = initial_checkpoint(cfg, tokenizer, task, progress and mesh.is_rank0)
+    from fp8rl_core.model.hf_io import read_model_config
+
+    model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
+    train = build_training_engine(cfg, path, device, mesh)
+    ref = build_reference(cfg, path, device, mesh) if cfg.loss.kl_coef > 0 else None
+    gen = build_generation_engine(cfg, model_config, device, mesh.rank)
+    gen.refit(train.weights())
+    return RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
+                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
+                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh)

@@ -1,0 +1,361 @@
+"""The run config: everything one sweep cell (one GRPO run) needs, as typed, validated dataclasses.
+
+A run config file is YAML with these sections; `load_run_config(path, overrides)` applies dotted
+CLI overrides (`loss.importance_sampling=token seed=1`) and validates. The cell id of a sweep is
+`run_config_hash(cfg)`: the hash of the resolved config minus where-to-write fields (HASH_EXCLUDE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from fp8rl_core.recipes import RECIPES
+from fp8rl_core.schema import ConfigError, build, fail, get_dotted, parse_override, set_dotted, stable_hash, to_dict
+
+ISVariant = Literal["none", "token", "tis", "icepop", "sequence"]
+
+
+@dataclass
+class ModelSpec:
+    preset: str = "tiny"  # a built-in preset (fp8rl_core.model.config.PRESETS); ignored when `path` is set
+    path: str | None = None  # local HF checkpoint folder (config.json + *.safetensors)
+    dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of the BF16 parts: attention, norms, embeddings, head
+
+    def validate(self) -> None:
+        from fp8rl_core.model.config import PRESETS
+
+        if self.path is None and self.preset not in PRESETS:
+            fail("preset", f"unknown preset {self.preset!r}", ", ".join(PRESETS))
+
+
+@dataclass
+class Fp8Spec:
+    power_of_two_scales: bool = False  # round scales up to 2^k (Transformer Engine's default)
+    bf16_first_layers: int = 0  # keep the first N transformer blocks' linears in BF16
+    bf16_last_layers: int = 0  # keep the last N blocks' linears in BF16
+    check_finite: bool = True  # raise on NaN/inf before quantizing (costs one reduction per tensor)
+
+    def validate(self) -> None:
+        if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
+            fail("bf16_first_layers", "must be >= 0")
+
+
+@dataclass
+class TaskSpec:
+    name: Literal["arithmetic", "jsonl"] = "arithmetic"  # generated a+b= prompts, or prompt/answer pairs from files
+    digits: int = 2  # arithmetic: max digits per operand
+    min_digits: int = 1  # arithmetic: min digits per operand
+    operators: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, *
+    val_size: int = 128  # held-out prompts, disjoint from training prompts
+    data_seed: int = 1234  # the task's data is fixed across cells (seed varies the run, not the data)
+    train_path: str | None = None  # jsonl: {"prompt": ..., "answer": ...} per line
+    val_path: str | None = None  # jsonl: held-out prompts (None: a seeded split of train_path)
+    answer_type: Literal["auto", "numeric", "string"] = "auto"  # jsonl: auto is numeric when every answer is a number
+    # arithmetic warm start: operands of at most this many digits (None: `digits`), except for a
+    # `warmstart_full_fraction` of examples drawn from the RL distribution (fp8rl_core/tasks/arithmetic.py)
+    warmstart_digits: int | None = None
+    warmstart_full_fraction: float = 0.0  # share of warm-start examples with operands of up to `digits` digits
+    warmstart_label_noise: float = 0.0  # share of warm-start targets with one digit corrupted
+
+    def validate(self) -> None:
+        if not 1 <= self.min_digits <= self.digits <= 9:
+            fail("digits", f"need 1 <= min_digits <= digits <= 9, got {self.min_digits}..{self.digits}")
+        if self.warmstart_digits is not None and not self.min_digits <= self.warmstart_digits <= self.digits:
+            fail("warmstart_digits", f"need min_digits <= warmstart_digits <= digits, got {self.warmstart_digits}")
+        if not 0.0 <= self.warmstart_label_noise <= 1.0:
+            fail("warmstart_label_noise", f"must be in [0, 1], got {self.warmstart_label_noise}")
+        if not 0.0 <= self.warmstart_full_fraction <= 1.0:
+            fail("warmstart_full_fraction", f"must be in [0, 1], got {self.warmstart_full_fraction}")
+        bad = [op for op in self.operators if op not in ("+", "-", "*")]
+        if bad or not self.operators:
+            fail("operators", f"{bad or 'empty'} not allowed", "+, -, *")
+        if self.name == "jsonl" and not self.train_path:
+            fail("train_path", "required when name is jsonl")
+
+
+@dataclass
+class WarmStartSpec:
+    steps: int = 6000  # at most this many supervised steps before RL (cosine lr schedule over them)
+    # stop early once greedy accuracy on the dev prompts reaches it; null: all steps
+    target_accuracy: float | None = 0.9
+    eval_every: int = 250  # steps between dev-accuracy checks (with target_accuracy)
+    dev_size: int = 256  # dev prompts: training-distribution prompts, never validation ones
+    batch_size: int = 64  # examples per supervised step
+    lr: float = 2e-3  # AdamW learning rate of the warm start
+    cache_dir: str = ".fp8rl/warmstart"  # keyed by a hash of (model, task, warmstart) config
+
+    def validate(self) -> None:
+        if self.steps < 0 or self.eval_every < 1 or self.dev_size < 1 or self.batch_size < 1:
+            fail("steps", "need steps >= 0 and eval_every, dev_size, batch_size >= 1")
+        if self.target_accuracy is not None and not 0.0 <= self.target_accuracy <= 1.0:
+            fail("target_accuracy", f"must be in [0, 1] or null, got {self.target_accuracy}")
+
+
+@dataclass
+class RolloutSpec:
+    prompts_per_step: int = 16  # P
+    samples_per_prompt: int = 8  # G
+    max_new_tokens: int = 8  # generation length limit per sample
+    # sampling temperature, training log-probs too; 2.0: the tiny warm start is too peaked at 1.0 for RL
+    temperature: float = 2.0
+    top_p: float = 1.0  # nucleus sampling (1.0: off)
+    top_k: int = 0  # 0: off
+
+    def validate(self) -> None:
+        if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
+            fail("prompts_per_step", "prompts_per_step, samples_per_prompt, max_new_tokens must be >= 1")
+        if self.temperature <= 0:
+            fail("temperature", "must be > 0 (greedy decoding is for validation only)")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class LossSpec:
+    importance_sampling: ISVariant = "none"  # mismatch correction weights (fp8rl_core/importance.py)
+    is_cap: float = 2.0  # tis: w <- min(w, cap)
+    is_low: float = 0.5  # icepop: keep tokens with low <= w <= high
+    is_high: float = 5.0  # icepop: see is_low
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2  # see clip_low
+    kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy
+    kl_clamp: float = 10.0  # clamp of the per-token log-ratio inside k3
+
+    def validate(self) -> None:
+        if self.is_cap <= 0 or not 0 <= self.is_low <= self.is_high:
+            fail("is_cap", "need is_cap > 0 and 0 <= is_low <= is_high")
+
+
+@dataclass
+class OptimSpec:
+    lr: float = 1e-4  # tiny study: pass@1 at T=2 67% -> 83% in 650 steps (README: the task); 3e-4 is unstable
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2]
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # max global gradient norm (<= 0: off)
+    micro_steps: int = 1  # optimizer steps per rollout batch (>1 makes later steps off-policy)
+
+
+@dataclass
+class TrainSpec:
+    steps: int = 60  # RL steps (rollout batches)
+    val_every: int = 5  # validation every K steps, and at step 0 and the last step
+    val_samples: int = 4  # val_accuracy = pass@1 over this many samples per held-out prompt (0: greedy)
+    checkpoint_every: int = 10  # checkpoint every K steps and at the last step (resume point)
+    micro_batch_size: int = 0  # sequences per forward/backward; gradients accumulate to the step's batch (0: all)
+    logprob_batch_size: int = 0  # sequences per forward of the old- and reference-log-prob passes (0: all)
+    # micro_steps 1: the training forward's detached log-probs are the old log-probs (same weights), so
+    # the separate old-log-prob pass is skipped; false keeps it (the two-pass reference for tests)
+    reuse_old_logprobs: bool = True
+
+    def validate(self) -> None:
+        for key in ("micro_batch_size", "logprob_batch_size"):
+            if getattr(self, key) < 0:
+                fail(key, f"must be >= 0 (0: the whole batch at once), got {getattr(self, key)}")
+
+
+@dataclass
+class VllmSpec:
+    """The vLLM generation engine (engines.generation=vllm; fp8rl_core/engines/vllm_gen.py)."""
+
+    # tokens per sequence (prompt + response) vLLM reserves KV for; null: the task's longest prompt +
+    # rollout.max_new_tokens (never the model's max_position_embeddings: 131072 at Llama-3.1)
+    max_model_len: int | None = None
+    # share of the GPU's memory vLLM may take for weights + KV cache (checked against free memory at start)
+    gpu_memory_utilization: float = 0.3
+    # KV-cache bytes instead of a share of the GPU (vLLM >= 0.11's kv_cache_memory_bytes); null: use the share
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int | None = None  # sequences decoded at once (vLLM's max_num_seqs); null: vLLM's default
+    tensor_parallel_size: int = 1  # GPUs one vLLM engine spans (1: one engine per rank, colocated with it)
+    enforce_eager: bool = True  # no CUDA-graph capture (fast start); false: faster decoding on big models
+    # colocation with the trainer on the same GPU: enable_sleep_mode, sleep(level=1) after each
+    # generation (weights to host memory, KV cache freed) and wake_up() before the next refit
+    sleep_between_steps: bool = True
+
+    def validate(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            fail("max_model_len", f"must be >= 2 tokens or null (longest prompt + max_new_tokens), "
+                                  f"got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            fail("kv_cache_memory_bytes", f"must be > 0 bytes or null, got {self.kv_cache_memory_bytes}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            fail("max_num_seqs", f"must be >= 1 or null, got {self.max_num_seqs}")
+        if self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass
+class MegatronSpec:
+    """Megatron-Core's parallel layout (engines.training=megatron; fp8rl_core/engines/megatron_parallel.py).
+
+    World size = tensor x pipeline x data-parallel size; the data-parallel size is what is left of the
+    world size (it is not a key: the launcher sets the ranks)."""
+
+    tensor_parallel_size: int = 1  # shards every linear layer over this many GPUs (within a node)
+    pipeline_parallel_size: int = 1  # splits the layers into this many stages
+    sequence_parallel: bool = False  # shard norms/dropout activations over the tensor-parallel group (TP > 1)
+    distributed_optimizer: bool = True  # shard AdamW state and FP32 main params over data-parallel ranks (ZeRO-1)
+    # FP8 layers of Transformer Engine want B*T a multiple of this (blockwise FP8: 128, as NeMo RL pads)
+    pad_tokens_to: int = 128
+
+    def validate(self) -> None:
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_tokens_to"):
+            if getattr(self, key) < 1:
+                fail(key, f"must be >= 1, got {getattr(self, key)}")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            fail("sequence_parallel", "needs tensor_parallel_size > 1", "false, or tensor_parallel_size >= 2")
+
+
+@dataclass
+class EngineSpec:
+    generation: Literal["native", "vllm"] = "native"  # vllm needs CUDA and the vllm extra
+    training: Literal["native", "megatron"] = "native"  # megatron: Megatron-Core + Transformer Engine (CUDA)
+    vllm: VllmSpec = field(default_factory=VllmSpec)  # vLLM's memory, parallelism and colocation (generation=vllm)
+    megatron: MegatronSpec = field(default_factory=MegatronSpec)  # Megatron-Core's parallel layout (training=megatron)
+
+
+@dataclass
+class ParallelSpec:
+    """How one cell spreads over ranks (torchrun / multi-task SLURM) and trades compute for memory.
+
+    The world size comes from the launcher's environment, not from here; world size 1 needs nothing."""
+
+    timeout_s: float = 1800.0  # collective timeout: a dead or stuck rank fails the job after this, never hangs it
+    cpu_offload: bool = False  # sharded parameters, gradients, AdamW state (and the reference) on the CPU between uses
+    activation_checkpointing: bool = False  # recompute each transformer block's activations in backward
+    # when sharded gradients are reduce-scattered: after every micro-batch ("micro_batch": they stay
+    # sharded) or once per optimizer step ("step": fewer collectives, a full gradient per rank meanwhile)
+    grad_reduce: Literal["micro_batch", "step"] = "micro_batch"
+    # keep each block's gathered weights from forward to backward: one all-gather less per micro-batch,
+    # a full weight copy per rank during the step
+    reshard_after_forward: bool = True
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:
+            fail("timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+
+
+@dataclass
+class DiagnosticsSpec:
+    """Mismatch diagnostics of a run (fp8rl_core/diagnostics): worst-token tables, rollouts for `explain`."""
+
+    # every K steps, the largest-|train - gen| tokens go to diagnostics/worst_tokens.jsonl (0: never)
+    worst_tokens_every: int = 1
+    worst_tokens_k: int = 8  # tokens per table write (per step)
+    context_tokens: int = 12  # tokens of preceding context shown with each worst token
+    # keep the rollout batch generated from each checkpoint's weights (rollouts/), for `fp8rl-train explain`
+    save_rollouts: bool = True
+
+    def validate(self) -> None:
+        for key in ("worst_tokens_every", "worst_tokens_k", "context_tokens"):
+            if getattr(self, key) < 0:
+                fail(key, f"must be >= 0, got {getattr(self, key)}")
+
+
+@dataclass
+class TrackingSpec:
+    uri: str | None = None  # MLflow tracking URI; None: local JSONL sink only
+    experiment: str = "fp8rl"  # MLflow experiment name
+    run_id: str | None = None  # set by the sweep driver: the cell's MLflow run
+    parent_run_id: str | None = None  # set by the sweep driver: the sweep's MLflow run
+    tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags of the run
+
+
+@dataclass
+class RunConfig:
+    recipe: str = "bf16"  # a name in fp8rl_core/recipes.py: bf16, fp8_gen, fp8_e2e
+    seed: int = 0  # init, sampling and prompt order (the task's data: task.data_seed)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
+    threads: int = 0  # torch intra-op threads (0: torch's default)
+    output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, logs of this run
+    model: ModelSpec = field(default_factory=ModelSpec)  # the policy: a preset or a local HF checkpoint
+    fp8: Fp8Spec = field(default_factory=Fp8Spec)  # blockwise-FP8 options for the linears a recipe quantizes
+    task: TaskSpec = field(default_factory=TaskSpec)  # prompts and the answers the reward checks
+    warmstart: WarmStartSpec = field(default_factory=WarmStartSpec)  # supervised warm start before RL (cached)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)  # sampling: P prompts x G samples per step
+    loss: LossSpec = field(default_factory=LossSpec)  # GRPO loss: importance sampling, clipping, KL
+    optim: OptimSpec = field(default_factory=OptimSpec)  # AdamW of the RL steps
+    train: TrainSpec = field(default_factory=TrainSpec)  # RL steps, validation, checkpoints
+    engines: EngineSpec = field(default_factory=EngineSpec)  # which engines generate and train
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)  # ranks: collective timeout, offload, checkpointing
+    # worst-token tables and saved rollouts (no effect on training)
+    diagnostics: DiagnosticsSpec = field(default_factory=DiagnosticsSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # where the run logs (MLflow, or JSONL only)
+
+    def validate(self) -> None:
+        if self.recipe not in RECIPES:
+            fail("recipe", f"unknown recipe {self.recipe!r}", ", ".join(RECIPES))
+        if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
+            fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
+                                "BF16/FP16 activations only (fp32 is refused)",
+                 "bf16, or engines.generation=native, or a recipe without FP8 generation (bf16)")
+
+
+# Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
+HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "parallel.timeout_s", "diagnostics")
+# Sections added after cell ids existed: hashed only where they differ from their defaults, so that the
+# id of every config written before them (and of every config that leaves them alone) stays the same.
+# A value is the default itself, or the spec class whose default instance is it.
+HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
+                                       "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True}
+
+
+def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
+    return build(RunConfig, data or {}, where=where)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str], where: str = "command line") -> dict[str, Any]:
+    """Return a copy of `data` with `key=value` overrides applied (values parsed as YAML)."""
+    out = yaml.safe_load(yaml.safe_dump(data)) or {}
+    for text in overrides:
+        try:
+            key, value = parse_override(text)
+        except ConfigError as e:
+            raise e.located(where) from None
+        set_dotted(out, key, value)
+    return out
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Load a YAML run config (or the defaults when path is None) and apply dotted overrides.
+
+    The file and the override values are read in fp8rl's one YAML dialect (fp8rl_core.yaml_io, as
+    sweep files are): a duplicate key is an error at its line, `4:00:00` stays a string."""
+    from fp8rl_core.yaml_io import load_mapping_file, load_value
+
+    where = str(path) if path else "defaults"
+    data: dict[str, Any] = load_mapping_file(path) if path else {}
+    for text in overrides:
+        try:
+            key, _ = parse_override(text)  # checks key=value
+            raw = text.split("=", 1)[1].strip()
+            set_dotted(data, key, load_value(raw, key) if raw else "")
+        except ConfigError as e:
+            raise e.located("command line") from None
+    return run_config_from_dict(data, where=where if not overrides else f"{where} + overrides")
+
+
+def hashed_dict(cfg: RunConfig) -> dict[str, Any]:
+    """What a cell's id hashes: the config as a plain dict minus the HASH_EXCLUDE fields."""
+    data = to_dict(cfg)
+    for key, default in HASH_IF_NOT_DEFAULT.items():
+        parent, _, leaf = key.rpartition(".")
+        node = get_dotted(data, parent)
+        if isinstance(node, dict) and node.get(leaf) == (to_dict(default()) if isinstance(default, type) else default):
+            node.pop(leaf)
+    for key in HASH_EXCLUDE:
+        parent, _, leaf = key.rpartition(".")
+        node = get_dotted(data, parent) if parent else data
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return data
+
+
+def run_config_hash(cfg: RunConfig, length: int = 12) -> str:
+    """Stable id of what a run computes (HASH_EXCLUDE removed)."""
+    return stable_hash(hashed_dict(cfg), length)

@@ -1,0 +1,340 @@
+"""The pure pieces of the vLLM generation backend (no vLLM import here, so all of it is tested on a CPU).
+
+vllm_gen.py calls vLLM; this file decides what to send it and reads back what it returns:
+- `availability_error`: why the backend cannot run here (no vLLM, no CUDA), with the fix;
+- `resolve_max_model_len` / `longest_prompt_tokens` / `free_memory_error`: the KV bound (longest prompt +
+  max_new_tokens, not the model's 131072) and the start-up memory check, from the run config's
+  engines.vllm section (which replaces the old FP8RL_VLLM_* variables: `warn_deprecated_env`);
+- `fp8_quantization_config` / `llm_kwargs`: the `vllm.LLM(...)` arguments. FP8 recipes load a blockwise
+  FP8 checkpoint and override its config with NeMo RL's quantization_config
+  {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}, plus
+  `ignored_layers` (HF module names) for the blocks Fp8Spec keeps in BF16 (vLLM skips a fused layer
+  when all of its shards are listed);
+- `write_checkpoint`: the trainer's weights as an HF folder (hf_io.save_pretrained, "fp8_block" for FP8);
+- `refit_tensors`: the checkpoint-format tensors of one refit: every FP8 linear as E4M3 `weight` +
+  FP32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] from our `quantize_blockwise` (so power-of-two
+  scales and finiteness checks follow Fp8Spec), everything else in the engine dtype;
+- `choose_refit_method`: which vLLM weight-loading entry point the installed version offers;
+- `sampling_kwargs` / `request_seeds`: our SamplingParams as `vllm.SamplingParams` keyword arguments,
+  one seed per request drawn from the engine's generator;
+- `to_generation_output`: vLLM RequestOutputs -> GenerationOutput tensors.
+
+Log-probabilities (`logprobs_mode`): vLLM >= 0.10.2 can report "processed_logprobs", the log-softmax of
+the logits after temperature (and after top-k/top-p, renormalised over the kept tokens; greedy requests
+get the T=1 distribution): with top_k=0 and top_p=1 (the study's rollouts) that is exactly
+GenerationOutput's quantity, log_softmax(logits / T)[token]. With top-k/top-p on, vLLM's numbers are
+the renormalised ones (documented, not corrected). Older vLLM only has raw logprobs (before
+temperature), which match only at T=1: `sampling_kwargs` refuses other temperatures there.
+"""
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl_core.config import Fp8Spec, VllmSpec
+from fp8rl_core.engines.base import GenerationOutput, SamplingParams
+from fp8rl_core.engines.native_gen import check_state_dict, expected_shapes
+from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.fp8_policy import bf16_blocks
+from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG
+
+INSTALL_HINT = "pip install 'fp8rl[vllm]'"
+FP8_QUANT_CONFIG = FP8_BLOCK_CONFIG  # NeMo RL's hf_overrides for vLLM: the checkpoint's own config
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+REFIT_METHODS = ("reload_weights", "load_weights")
+PROCESSED = "processed_logprobs"
+
+
+def availability_error(has_vllm: bool, has_cuda: bool) -> str | None:
+    """Why the vLLM backend cannot run here, naming the fix; None when it can."""
+    missing = []
+    if not has_vllm:
+        missing.append(f"the vllm package is not installed ({INSTALL_HINT})")
+    if not has_cuda:
+        missing.append("it needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if not missing:
+        return None
+    return ("engines.generation='vllm' cannot run here: " + "; and ".join(missing)
+            + ". Use engines.generation=native on a machine without both.")
+
+
+# ---- engine construction -----------------------------------------------------------------------
+DEPRECATED_ENV = {"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "engines.vllm.gpu_memory_utilization",
+                  "FP8RL_VLLM_ENFORCE_EAGER": "engines.vllm.enforce_eager"}
+HALF_DTYPES = ("bfloat16", "float16")  # the activations vLLM's FP8 method runs with
+
+
+def warn_deprecated_env(env: Mapping[str, str] | None = None) -> list[str]:
+    """Warn (DeprecationWarning) for each FP8RL_VLLM_* variable still set: they are ignored now, the run
+    config's engines.vllm section replaces them. Returns the names found."""
+    env = os.environ if env is None else env
+    found = [name for name in DEPRECATED_ENV if name in env]
+    for name in found:
+        warnings.warn(f"{name} is ignored (deprecated): set {DEPRECATED_ENV[name]} in the run config instead",
+                      DeprecationWarning, stacklevel=2)
+    return found
+
+
+def longest_prompt_tokens(task: Any, tokenizer: Any, sample: int = 4096) -> int:
+    """Tokens of the longest prompt the run can send (BOS included): every example a task holds
+    (`train_examples` where it keeps them, JSONL; and `val_examples`), plus `sample` seeded training
+    draws for a task that generates its prompts (arithmetic: lengths are bounded by its digits)."""
+    examples = list(getattr(task, "train_examples", None) or []) + list(task.val_examples)
+    if not getattr(task, "train_examples", None):
+        examples += task.sample_train(random.Random(0), sample)
+    return max(len(tokenizer.encode(e.prompt)) for e in examples)
+
+
+def resolve_max_model_len(spec: VllmSpec, longest_prompt: int, max_new_tokens: int,
+                          max_position_embeddings: int) -> int:
+    """engines.vllm.max_model_len, or longest prompt + max_new_tokens; never above what the model allows."""
+    want = spec.max_model_len if spec.max_model_len is not None else longest_prompt + max_new_tokens
+    if want > max_position_embeddings:
+        key = "engines.vllm.max_model_len" if spec.max_model_len is not None else \
+            "the longest prompt + rollout.max_new_tokens"
+        raise ValueError(f"{key} = {want} tokens exceeds the model's max_position_embeddings "
+                         f"({max_position_embeddings}); valid: <= {max_position_embeddings}")
+    if want < longest_prompt + max_new_tokens:
+        raise ValueError(f"engines.vllm.max_model_len: {want} tokens cannot hold the longest prompt ({longest_prompt}) "
+                         f"+ rollout.max_new_tokens ({max_new_tokens}); valid: >= {longest_prompt + max_new_tokens}, "
+                         "or null")
+    return int(want)
+
+
+def free_memory_error(free: int, total: int, spec: VllmSpec) -> str | None:
+    """Why vLLM cannot start on a GPU with `free` of `total` bytes free, or None.
+
+    vLLM refuses to start unless gpu_memory_utilization x total bytes are free (its start-up check);
+    with kv_cache_memory_bytes the KV cache is sized in bytes instead and nothing is checked here.
+    """
+    if spec.kv_cache_memory_bytes is not None or total <= 0:
+        return None
+    need = spec.gpu_memory_utilization * total
+    if free >= need:
+        return None
+    fits = max(int(free / total * 100) / 100 - 0.01, 0.0)
+    gib = 2**30
+    return (f"engines.vllm.gpu_memory_utilization={spec.gpu_memory_utilization}: vLLM needs {need / gib:.1f} GiB "
+            f"free at start, the GPU has {free / gib:.1f} of {total / gib:.1f} GiB free (the trainer and the "
+            f"reference are already resident); valid: <= {fits:.2f}, or engines.vllm.kv_cache_memory_bytes, or "
+            "more ranks / parallel.cpu_offload so that the trainer holds less")
+
+
+def fp8_weight_names(config: ModelConfig, spec: Fp8Spec) -> list[str]:
+    """HF names of the linear weights that are FP8 (every block linear except the kept blocks; never lm_head)."""
+    kept = set(bf16_blocks(config, spec))
+    return [f"model.layers.{i}.{lin}.weight" for i in range(config.num_hidden_layers) if i not in kept
+            for lin in LINEARS]
+
+
+def fp8_quantization_config(config: ModelConfig, spec: Fp8Spec) -> dict[str, Any]:
+    """The `hf_overrides={"quantization_config": ...}` dict of an FP8 recipe (NeMo RL's, + ignored_layers)."""
+    q: dict[str, Any] = dict(FP8_QUANT_CONFIG)
+    ignored = [f"model.layers.{i}.{lin}" for i in bf16_blocks(config, spec) for lin in LINEARS]
+    if ignored:
+        q["ignored_layers"] = ignored
+    return q
+
+
+def llm_kwargs(model_path: str | Path, config: ModelConfig, *, fp8: bool, spec: Fp8Spec, dtype: str,
+               seed: int, vllm: VllmSpec, max_model_len: int, supported: Iterable[str]) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for our checkpoint folder.
+
+    dtype: "bfloat16" | "float32" (the run's model.dtype; FP8 needs bfloat16/float16); vllm: the run
+    config's engines.vllm; max_model_len: resolve_max_model_len's; supported: the names
+    vllm.EngineArgs accepts (optional arguments of newer versions, such as logprobs_mode, are passed
+    only when listed; a requested one that is missing raises). Tokenizer init is skipped: prompts
+    arrive as token ids and the EOS ids are stop token ids. Sleep mode (engines.vllm.sleep_between_steps):
+    enable_sleep_mode=True, so that the engine can give its GPU memory back while the trainer runs.
+    """
+    supported = set(supported)
+    if fp8 and dtype not in HALF_DTYPES:
+        raise ValueError(f"model.dtype: vLLM's FP8 method runs {' / '.join(HALF_DTYPES)} activations only, got "
+                         f"{dtype!r}; valid: bf16, or engines.generation=native")
+    kw: dict[str, Any] = {
+        "model": str(model_path), "dtype": dtype, "seed": int(seed), "skip_tokenizer_init": True,
+        "max_model_len": int(max_model_len), "enforce_eager": vllm.enforce_eager,
+        "gpu_memory_utilization": vllm.gpu_memory_utilization,
+        "tensor_parallel_size": int(vllm.tensor_parallel_size),
+    }
+    optional = {"kv_cache_memory_bytes": vllm.kv_cache_memory_bytes, "max_num_seqs": vllm.max_num_seqs,
+                "enable_sleep_mode": True if vllm.sleep_between_steps else None}
+    for name, value in optional.items():
+        if value is None:
+            continue
+        if supported and name not in supported:
+            key = "sleep_between_steps" if name == "enable_sleep_mode" else name
+            off = "false" if name == "enable_sleep_mode" else "null"
+            raise ValueError(f"engines.vllm.{key}: this vLLM has no {name!r} engine argument; valid: "
+                             f"engines.vllm.{key}={off}, or the tested vLLM (pip install 'fp8rl[gpu]')")
+        kw[name] = value
+    if fp8:
+        kw["quantization"] = "fp8"
+        kw["hf_overrides"] = {"quantization_config": fp8_quantization_config(config, spec)}
+    if "logprobs_mode" in supported:
+        kw["logprobs_mode"] = PROCESSED
+    return kw
+
+
+def write_checkpoint(weights: Mapping[str, torch.Tensor], config: ModelConfig, folder: str | Path, *,
+                     fp8: bool, spec: Fp8Spec, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save HF-named weights as a checkpoint folder vLLM can start from (hf_io.save_pretrained).
+
+    FP8: every linear of fp8_weight_names as E4M3 + weight_scale_inv [128, 128] blocks, the rest in `dtype`.
+    """
+    from fp8rl_core.model.fp8_policy import fp8_exclusions
+    from fp8rl_core.model.hf_io import save_pretrained
+    from fp8rl_core.model.llama import CausalLM
+
+    check_state_dict(weights, expected_shapes(config), config.tie_word_embeddings)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = model.state_dict()
+    state = {k: weights[k].detach().to("cpu", dtype) for k in expected if k in weights}  # cast once, as refit
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    return save_pretrained(model, folder, quantization="fp8_block" if fp8 else None,
+                           ignore=fp8_exclusions(config, spec), dtype=dtype)
+
+
+# ---- refit ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, spec: Fp8Spec | None,
+                  dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of one refit, in checkpoint format and the trainer's order (layer by layer,
+    which vLLM's layerwise reload wants). spec None: no FP8 (every tensor cast to `dtype`).
+
+    An FP8 linear W [out, in] becomes (name, q E4M3 [out, in]) and (name + "_scale_inv", s FP32
+    [ceil(out/128), ceil(in/128)]) with W.to(dtype) ~= q * s per [128, 128] block, quantized from the
+    dtype copy (what vLLM would be sent); tensors stay on their device. A tied lm_head is left out.
+    """
+    from fp8rl_core.fp8 import quantize_blockwise
+
+    expected = expected_shapes(config)
+    check_state_dict(weights, expected, config.tie_word_embeddings)
+    fp8_names = set(fp8_weight_names(config, spec)) if spec is not None else set()
+    pairs: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in weights.items():
+        if name not in expected:
+            continue  # tied lm_head, rotary buffers
+        t = tensor.detach().to(dtype)
+        if name in fp8_names:
+            q, scale = quantize_blockwise(t, FP8_BLOCK, power_of_two=spec.power_of_two_scales,
+                                          check_finite=spec.check_finite, name=name)
+            pairs += [(name, q), (name + "_scale_inv", scale)]
+        else:
+            pairs.append((name, t))
+    return pairs
+
+
+def choose_refit_method(reload_params: Sequence[str] | None, fp8: bool) -> str:
+    """The refit entry point for the installed vLLM.
+
+    reload_params: parameter names of the worker's `model_runner.reload_weights` (None: absent).
+    "reload_weights": vLLM's reload of checkpoint-format weights into the running model (layerwise:
+      loads, re-runs the quantization's post-processing, copies into the kernel tensors, keeping CUDA
+      graphs valid; vLLM PR #32133); needed for FP8, whose kernel-format parameters lose their weight
+      loaders after the first load. "load_weights": `model.load_weights(pairs)`, fine for BF16.
+    """
+    if reload_params is not None and {"weights_iterator", "is_checkpoint_format"} <= set(reload_params):
+        return "reload_weights"
+    if not fp8:
+        return "load_weights"
+    raise RuntimeError(
+        "vLLM refit: this vLLM's workers have no reload_weights(weights_iterator=..., is_checkpoint_format=...) "
+        f"(found parameters: {list(reload_params) if reload_params is not None else 'no reload_weights'}); "
+        "FP8 recipes need it to reload blockwise FP8 weights into a running engine. Upgrade vLLM "
+        f"({INSTALL_HINT} with a recent vllm) or use engines.generation=native.")
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+def eos_list(eos: int | Sequence[int] | None) -> list[int]:
+    """The stop ids as a list: an id, a sequence of ids (ModelConfig.eos_ids), or None (none)."""
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def sampling_kwargs(sampling: SamplingParams, eos: int | Sequence[int] | None, logprobs_mode: str) -> dict[str, Any]:
+    """`vllm.SamplingParams` keyword arguments for one request (add `seed`).
+
+    Greedy -> temperature 0 (vLLM's greedy). top_k 0 (off) and top_p 1 are left at vLLM's defaults.
+    logprobs=1 returns the sampled token's log-prob (plus the top-1). Every EOS id (ModelConfig.eos_ids:
+    config.json's and generation_config.json's, e.g. Llama-3.1-Instruct's 128001, 128008, 128009) is a
+    stop token id: the tokenizer is not loaded (skip_tokenizer_init), so vLLM knows no EOS of its own
+    beyond the config's first; stop ids are kept in the output, as vLLM does.
+    """
+    if logprobs_mode != PROCESSED and not sampling.greedy and sampling.temperature != 1.0:
+        raise ValueError(f"sampling.temperature={sampling.temperature}: this vLLM reports raw log-probs "
+                         "(before temperature), which match the sampling distribution only at T=1; "
+                         "upgrade vLLM (>= 0.10.2 has logprobs_mode='processed_logprobs') or use T=1")
+    kw: dict[str, Any] = {"max_tokens": int(sampling.max_new_tokens), "logprobs": 1, "detokenize": False,
+                          "temperature": 0.0 if sampling.greedy else float(sampling.temperature)}
+    if not sampling.greedy:
+        if sampling.top_p < 1.0:
+            kw["top_p"] = float(sampling.top_p)
+        if sampling.top_k > 0:
+            kw["top_k"] = int(sampling.top_k)
+    stops = eos_list(eos)
+    if stops:
+        kw["stop_token_ids"] = stops
+    return kw
+
+
+def request_seeds(generator: torch.Generator, n: int) -> list[int]:
+    """n per-request seeds in [0, 2**31 - 1) drawn from the engine's (CPU) generator: a seeded
+    generator gives the same requests the same seeds, and the stream is checkpointed with it."""
+    return torch.randint(0, 2**31 - 1, (n,), generator=generator).tolist()
+
+
+# ---- outputs -------------------------------------------------------------------------------------
+def _logprob_of(step: Any, token: int, row: int, t: int) -> float:
+    """The log-prob of `token` in one position's {token_id: Logprob} mapping (vLLM's SampleLogprobs)."""
+    try:
+        entry = step[token]
+    except (KeyError, IndexError, TypeError):
+        raise RuntimeError(f"vLLM output row {row}, token {t}: no log-prob for the sampled token {token}; "
+                           "SamplingParams.logprobs must be set") from None
+    return float(getattr(entry, "logprob", entry))
+
+
+def to_generation_output(outputs: Sequence[Any], eos: int | Sequence[int] | None, pad_id: int) -> GenerationOutput:
+    """B vLLM RequestOutputs (in prompt order) -> GenerationOutput (CPU tensors).
+
+    Each output's first completion gives token_ids [n] and logprobs [n] ({token_id: Logprob} per step).
+    A row is cut after its first EOS, any id of `eos` (kept, masked in); R = the longest row; shorter
+    rows are right-padded with pad_id, logprob 0, mask False. finished[b]: the row contains an EOS.
+    """
+    stops = set(eos_list(eos))
+    rows: list[tuple[list[int], list[float], bool]] = []
+    for b, out in enumerate(outputs):
+        comp = out.outputs[0]
+        ids = [int(x) for x in comp.token_ids]
+        if comp.logprobs is None or len(comp.logprobs) < len(ids):
+            raise RuntimeError(f"vLLM output row {b}: {0 if comp.logprobs is None else len(comp.logprobs)} "
+                               f"log-prob entries for {len(ids)} tokens; SamplingParams.logprobs must be set")
+        first = next((t for t, tok in enumerate(ids) if tok in stops), None)
+        done = first is not None
+        if done:
+            ids = ids[: first + 1]
+        rows.append((ids, [_logprob_of(comp.logprobs[t], tok, b, t) for t, tok in enumerate(ids)], done))
+    B, R = len(rows), max((len(r[0]) for r in rows), default=0)
+    response_ids = torch.full((B, R), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.bool)
+    logprobs = torch.zeros((B, R), dtype=torch.float32)
+    for b, (ids, lps, _) in enumerate(rows):
+        n = len(ids)
+        response_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
+        response_mask[b, :n] = True
+        logprobs[b, :n] = torch.tensor(lps, dtype=torch.float32)
+    finished = torch.tensor([r[2] for r in rows], dtype=torch.bool)
+    return GenerationOutput(response_ids, response_mask, logprobs, finished)

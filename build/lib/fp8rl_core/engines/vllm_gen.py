@@ -1,0 +1,228 @@
+"""vLLM as the generation engine (engines.generation=vllm): the real inference kernels of the study.
+
+What it does (the pure decisions live in vllm_convert.py, tested on a CPU):
+1) construction checks that vLLM and a CUDA GPU are there (else a RuntimeError naming the fix) and
+   builds nothing else: the engine has no weights yet;
+2) the first `refit(weights)` writes the trainer's weights as an HF checkpoint under
+   `<output_dir>/vllm_checkpoint` (blockwise FP8 `weight` + `weight_scale_inv` for FP8 recipes) and
+   starts `vllm.LLM` on it, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise,
+   so that worker calls and tensors need no serialization), with NeMo RL's FP8 quantization_config
+   as an hf_override and logprobs_mode="processed_logprobs" where vLLM has it;
+3) every later `refit` loads the new weights into the running engine, no restart: checkpoint-format
+   tensors (FP8 linears quantized here with our `quantize_blockwise`, so power-of-two scales follow
+   Fp8Spec) go through the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`
+   where the installed vLLM has it (required for FP8), else `model.load_weights` (BF16); then the
+   prefix cache is reset, since cached KV blocks were computed with the old weights;
+4) `generate` sends token-id prompts with one seeded vllm.SamplingParams per request (seeds drawn
+   from `self.generator`) and converts the RequestOutputs to GenerationOutput.
+
+Settings: the run config's `engines.vllm` section (fp8rl_core/config.py VllmSpec; the old
+FP8RL_VLLM_* variables are ignored with a DeprecationWarning). The KV cache is bounded by max_model_len
+= the task's longest prompt + rollout.max_new_tokens unless set (never the model's 131072 positions);
+at start the installed versions are checked (engines/versions.py) and so is the GPU's free memory
+against gpu_memory_utilization (vLLM's own start-up check, with the fix named).
+Colocation (engines.vllm.sleep_between_steps, NeMo RL's and verl's scheme): the engine is built with
+enable_sleep_mode=True and, after every `generate`, calls `llm.sleep(level=1)` (weights to host memory,
+KV cache freed) so that the trainer has the GPU; `refit` wakes the weights (`wake_up(tags=["weights"])`)
+before loading new ones, and `generate` wakes the KV cache (`wake_up(tags=["kv_cache"])`) first.
+
+Differences from the native engine worth knowing: activation scales are vLLM's dynamic [1, 128] FP32
+ones (never power-of-two); with top-k/top-p on, vLLM's processed log-probs are renormalised over the
+kept tokens (vllm_convert.py). FP8 generation needs BF16/FP16 activations (model.dtype bf16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fp8rl_core.config import RunConfig
+from fp8rl_core.engines import vllm_convert as conv
+from fp8rl_core.engines.base import GenerationOutput, SamplingParams
+from fp8rl_core.engines.sampling import validate_sampling
+from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.recipes import get_recipe
+
+
+def require_vllm() -> None:
+    """Raise RuntimeError (with the install command) unless vLLM is importable and CUDA is available,
+    and unless the installed vLLM / torch versions are supported (engines/versions.py)."""
+    error = conv.availability_error(importlib.util.find_spec("vllm") is not None, torch.cuda.is_available())
+    if error:
+        raise RuntimeError(error)
+    from fp8rl_core.engines.versions import check_stack
+
+    check_stack(("vllm",))
+
+
+def with_generation_eos(config: ModelConfig, path: str | None) -> ModelConfig:
+    """`config` with the EOS ids of the checkpoint's generation_config.json added (Qwen2.5-Instruct's turn
+    end is only there), so that every one of them is a stop token even when the caller read config.json alone."""
+    if not path:
+        return config
+    from fp8rl_core.model.config import merge_eos_ids
+    from fp8rl_core.model.hf_io import read_generation_config
+
+    eos = merge_eos_ids(config.eos_token_id, read_generation_config(Path(path)))
+    return config if eos == config.eos_token_id else dataclasses.replace(config, eos_token_id=eos)
+
+
+# Worker-side functions for LLM.collective_rpc: vLLM calls them with the worker as first argument.
+def _reload_parameters(worker: Any) -> list[str] | None:
+    """Parameter names of the worker's model_runner.reload_weights, or None when it has none."""
+    import inspect
+
+    fn = getattr(getattr(worker, "model_runner", None), "reload_weights", None)
+    if fn is None or getattr(worker, "reload_weights", None) is None:
+        return None
+    return list(inspect.signature(fn).parameters)
+
+
+def _load_weights(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model.load_weights(weights=pairs)
+
+
+class VllmGenerationEngine:
+    """GenerationEngine (fp8rl_core/engines/base.py) backed by vllm.LLM on one CUDA GPU.
+
+    cfg: the run config (recipe -> FP8 or not, fp8 spec, model.dtype, seed, output_dir);
+    model_config: the policy's architecture (names and shapes of the weights refit receives).
+    """
+
+    def __init__(self, cfg: RunConfig, model_config: ModelConfig) -> None:
+        require_vllm()
+        self.cfg, self.config = cfg, with_generation_eos(model_config, cfg.model.path)
+        self.fp8 = get_recipe(cfg.recipe).fp8_generation
+        self.fp8_spec = cfg.fp8
+        self.fp8_spec.validate()
+        self.dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+        if self.fp8 and self.dtype != torch.bfloat16:
+            raise ValueError(f"model.dtype: recipe {cfg.recipe!r} generates in FP8 with vLLM, whose FP8 method "
+                             "runs BF16/FP16 activations only; valid: bf16, or engines.generation=native")
+        self.spec = cfg.engines.vllm
+        conv.warn_deprecated_env()
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.checkpoint_dir = Path(cfg.output_dir) / "vllm_checkpoint"
+        self.llm: Any = None
+        self.logprobs_mode = "raw_logprobs"
+        self.refit_method: str | None = None
+        self.max_model_len: int | None = None
+        self.asleep: set[str] = set()  # what sleep(level=1) released and no wake_up has restored yet
+
+    @property
+    def pad_id(self) -> int:
+        return self.config.pad_id
+
+    # ---- weights -------------------------------------------------------------------------------
+    def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """First call: checkpoint + start vLLM on it. Later calls: wake the weights if asleep, reload
+        into the running engine."""
+        self._wake("weights")
+        if self.llm is None:
+            self._start(weights)
+            if self.fp8 and self.fp8_spec.power_of_two_scales:
+                self._reload(weights)  # the checkpoint's scales are plain amax/448 ones
+            return
+        self._reload(weights)
+
+    def _start(self, weights: Mapping[str, torch.Tensor]) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm
+
+        path = conv.write_checkpoint(weights, self.config, self.checkpoint_dir, fp8=self.fp8,
+                                     spec=self.fp8_spec, dtype=self.dtype)
+        supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+        self.max_model_len = conv.resolve_max_model_len(
+            self.spec, self._longest_prompt() if self.spec.max_model_len is None else 0,
+            self.cfg.rollout.max_new_tokens, self.config.max_position_embeddings)
+        kwargs = conv.llm_kwargs(path, self.config, fp8=self.fp8, spec=self.fp8_spec,
+                                 dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32",
+                                 seed=self.cfg.seed, vllm=self.spec, max_model_len=self.max_model_len,
+                                 supported=supported)
+        self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            error = conv.free_memory_error(free, total, self.spec)
+            if error:
+                raise RuntimeError(error)
+        self.llm = vllm.LLM(**kwargs)
+        params = self.llm.collective_rpc(_reload_parameters)[0]
+        self.refit_method = conv.choose_refit_method(params, self.fp8)
+
+    def _longest_prompt(self) -> int:
+        """Tokens of the longest prompt of the run's task (the KV bound's default; vllm_convert.py)."""
+        from fp8rl_core.builder import load_tokenizer
+        from fp8rl_core.tasks import make_task
+
+        return conv.longest_prompt_tokens(make_task(self.cfg.task), load_tokenizer(self.cfg))
+
+    # ---- colocation --------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Give the GPU back to the trainer: vLLM's sleep(level=1) (weights to host memory, KV cache
+        freed). No-op unless engines.vllm.sleep_between_steps, or when already asleep."""
+        if self.llm is None or not self.spec.sleep_between_steps or self.asleep:
+            return
+        self.llm.sleep(level=1)
+        self.asleep = {"weights", "kv_cache"}
+
+    def _wake(self, tag: str) -> None:
+        """wake_up(tags=[tag]) if that part is asleep (weights before a refit, KV cache before generating)."""
+        if tag in self.asleep:
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
+
+    @torch.no_grad()
+    def _reload(self, weights: Mapping[str, torch.Tensor]) -> None:
+        pairs = conv.refit_tensors(weights, self.config, self.fp8_spec if self.fp8 else None, self.dtype)
+        if self.refit_method == "reload_weights":
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
+        else:
+            self.llm.collective_rpc(_load_weights, args=(pairs,))
+        del pairs
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None and reset() is False:
+            raise RuntimeError("vLLM refit: reset_prefix_cache() failed; cached KV blocks of the old "
+                               "weights would be reused")
+
+    # ---- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
+        """Sample continuations of token-id prompts (see GenerationOutput); tensors on the CPU."""
+        if self.llm is None:
+            raise RuntimeError("VllmGenerationEngine: no weights; call refit(weights) first")
+        validate_sampling(sampling)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: need at least one prompt, and every prompt needs >= 1 token")
+        import vllm
+
+        longest = max(len(p) for p in prompts)
+        if self.max_model_len is not None and longest + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(f"engines.vllm.max_model_len: a prompt of {longest} tokens + {sampling.max_new_tokens} "
+                             f"new ones exceeds the engine's {self.max_model_len}; set engines.vllm.max_model_len "
+                             f">= {longest + sampling.max_new_tokens}")
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        kw = conv.sampling_kwargs(sampling, self.config.eos_ids, self.logprobs_mode)
+        params = [vllm.SamplingParams(**kw, seed=s) for s in conv.request_seeds(self.generator, len(prompts))]
+        requests = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        self._wake("weights")
+        self._wake("kv_cache")
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        out = conv.to_generation_output(outputs, self.config.eos_ids, self.pad_id)
+        self.sleep()  # the trainer runs next: colocated, vLLM hands its memory back until the next refit
+        return out
+
+    def close(self) -> None:
+        """Drop the vLLM engine and return its GPU memory (best effort: vLLM keeps some process state)."""
+        self.llm, self.asleep = None, set()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,87 @@
+"""The FP8 linear forward as plain functions, shared by `Fp8Linear` (training) and the generation engine.
+
+    y[M, N] = blockwise_scaled_mm(Q(x)[1,128], Q(W)[128,128]) + bias        (bias added in FP32)
+
+x [..., K] is quantized dynamically per token and 128-wide K-block; the weight W [N, K] once per
+refit into [128, 128] blocks (`quantize_weight`). The output dtype follows x.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fp8rl_core.fp8.gemm import scaled_mm, select_executor
+from fp8rl_core.fp8.operand import Operand
+from fp8rl_core.fp8.quant import as_2d, quantize_2d
+
+ACT_BLOCK = (1, 128)  # activations and output gradients: per token, 128 along the contraction dim
+WEIGHT_BLOCK = (128, 128)
+COL_BLOCK = (128, 1)  # wgrad operands: 128 tokens per block, per feature
+
+
+@dataclass
+class Fp8Weight:
+    """A linear layer's weight in blockwise E4M3: q [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] FP32.
+
+    dequantized: optional FP32 q * scale [N, K], kept for the emulated executor so that decoding does
+    not re-expand the weight at every step (None on hardware executors).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    out_features: int
+    in_features: int
+    dequantized: torch.Tensor | None = field(default=None, repr=False)
+
+    def operand(self) -> Operand:
+        return Operand(self.q, self.scale, WEIGHT_BLOCK, self.dequantized)
+
+
+def needs_dequant(device: torch.device) -> bool:
+    """Whether the GEMM executor for `device` consumes dequantized FP32 operands."""
+    return select_executor(device) == "emulated"
+
+
+def quantize_operand(
+    x2: torch.Tensor, block: tuple[int, int], *, power_of_two: bool, check_finite: bool, name: str
+) -> Operand:
+    """Quantize a 2-D tensor into an Operand (with its FP32 dequantized copy when the executor wants it)."""
+    q, scale, deq = quantize_2d(
+        x2, block, power_of_two=power_of_two, check_finite=check_finite, name=name,
+        want_dequant=needs_dequant(x2.device),
+    )
+    return Operand(q, scale, block, deq)
+
+
+def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_of_two: bool = False) -> Fp8Weight:
+    """Quantize a [N, K] weight into [128, 128] blocks (done once per refit). Non-finite weights raise."""
+    if w.dim() != 2:
+        raise ValueError(f"weight: expected a 2-D [out_features, in_features] tensor, got shape {tuple(w.shape)}")
+    op = quantize_operand(w.detach(), WEIGHT_BLOCK, power_of_two=power_of_two, check_finite=True, name="weight")
+    b = None if bias is None else bias.detach()
+    return Fp8Weight(op.q, op.scale, b, w.shape[0], w.shape[1], op.deq)
+
+
+def linear_from_operands(x_op: Operand, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
+    """y[M, N] = GEMM(x [M, K] in [1,128] blocks, w) + bias in FP32, then cast to out_dtype."""
+    y = scaled_mm(x_op, w.operand(), out_dtype=torch.float32)
+    if w.bias is not None:
+        y += w.bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor, w: Fp8Weight, *, power_of_two: bool = False, check_finite: bool = False
+) -> torch.Tensor:
+    """Inference FP8 linear (no autograd): x [..., K] -> y [..., N] in x.dtype.
+
+    x is quantized per token into [1, 128] blocks (dynamic activation scaling, as vLLM does).
+    """
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x: last dim {x.shape[-1]} != in_features {w.in_features}")
+    with torch.no_grad():
+        x_op = quantize_operand(as_2d(x), ACT_BLOCK, power_of_two=power_of_two, check_finite=check_finite, name="x")
+        y = linear_from_operands(x_op, w, x.dtype)
+    return y.reshape(*x.shape[:-1], w.out_features)

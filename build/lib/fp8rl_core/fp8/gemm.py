@@ -1,0 +1,103 @@
+"""Blockwise-scaled FP8 GEMM (DeepSeek-V3 `fp8_gemm` semantics), one function, several executors.
+
+    C[M, N] = sum_kb  scale_a[m, kb] * scale_b[n, kb] * P_kb[m, n],
+    P_kb[m, n] = sum_{k in K-block kb} qa[m, k] * qb[n, k]     (exact E4M3 products, FP32 accumulation)
+
+A is [M, K] and B is [N, K] (C = A @ B^T, the "TN" layout of an nn.Linear weight). Both operands are
+quantized along K with the same K-block (128); A's blocks are (1, 128) (or (128, 128)) and B's
+(1, 128) or (128, 128). Executors (chosen by `select_executor`; env FP8RL_GEMM=<name> overrides):
+  "emulated"            FP32 GEMM of the dequantized operands (any device; the CPU default), emulate.py
+  "emulated_blockwise"  DeepSeek's per-K-block order literally (reference; slower), emulate.py
+  "scaled_mm"           torch blockwise scaled_mm on Hopper (SM90, cuBLAS >= 12.9), cuda_exec.py
+(There is no "te" executor: Transformer Engine runs FP8 end to end inside the Megatron-Core backend.)
+`executor_flags()`: what a run can log about the GEMMs so far (a BF16-output fallback, cuda_exec.py).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fp8rl_core.fp8.operand import Operand
+from fp8rl_core.fp8.quant import FP8_DTYPE, Block, check_block, scale_shape
+
+EXECUTORS = ("emulated", "emulated_blockwise", "scaled_mm")
+ENV_VAR = "FP8RL_GEMM"
+
+
+def select_executor(device: torch.device | str, override: str | None = None) -> str:
+    """The executor for a GEMM on `device`: override > $FP8RL_GEMM > the best one available there."""
+    choice = override or os.environ.get(ENV_VAR) or None
+    if choice is not None:
+        if choice not in EXECUTORS:
+            raise ValueError(f"{ENV_VAR}/executor: unknown executor {choice!r}; valid: {', '.join(EXECUTORS)}")
+        return choice
+    device = torch.device(device)
+    if device.type == "cuda":
+        from fp8rl_core.fp8 import cuda_exec  # lazy: CUDA-only code
+
+        available = cuda_exec.available_executors(device)
+        return available[0] if available else "emulated"
+    return "emulated"
+
+
+def executor_flags() -> dict[str, float]:
+    """{"fp8_gemm_bf16_output_fallback": 1.0} once any CUDA device fell back from FP32 to BF16 GEMM
+    output (cuda_exec.py; it also warned), else {}: a flag to log with a step's metrics."""
+    import sys
+
+    cuda_exec = sys.modules.get("fp8rl_core.fp8.cuda_exec")  # never imported: no CUDA GEMM ran, nothing to say
+    return {"fp8_gemm_bf16_output_fallback": 1.0} if cuda_exec is not None and cuda_exec.fallbacks() else {}
+
+
+def _check_operands(a: Operand, b: Operand) -> None:
+    for name, op in (("qa", a), ("qb", b)):
+        if op.q.dtype != FP8_DTYPE or op.q.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D float8_e4m3fn tensor, "
+                             f"got {op.q.dtype} of shape {tuple(op.q.shape)}")
+    if a.q.shape[1] != b.q.shape[1]:
+        raise ValueError(f"qa {tuple(a.q.shape)} and qb {tuple(b.q.shape)}: contraction dims (K) differ")
+    if a.block[1] != b.block[1]:
+        raise ValueError(f"block_a {a.block} and block_b {b.block}: K-block sizes differ")
+    for name, op in (("sa", a), ("sb", b)):
+        want = scale_shape(tuple(op.q.shape), op.block)
+        if tuple(op.scale.shape) != want or op.scale.dtype != torch.float32:
+            raise ValueError(
+                f"{name}: expected float32 of shape {want} for block {op.block}, "
+                f"got {op.scale.dtype} {tuple(op.scale.shape)}"
+            )
+
+
+def blockwise_scaled_mm(
+    qa: torch.Tensor,
+    sa: torch.Tensor,
+    qb: torch.Tensor,
+    sb: torch.Tensor,
+    *,
+    block_a: Block = (1, 128),
+    block_b: Block = (128, 128),
+    out_dtype: torch.dtype = torch.float32,
+    executor: str | None = None,
+) -> torch.Tensor:
+    """C[M, N] = A[M, K] @ B[N, K]^T with per-block scales; see the module docstring.
+
+    qa: E4M3 [M, K], sa: FP32 [ceil(M/ba0), ceil(K/kb)]; qb: E4M3 [N, K], sb: FP32 [ceil(N/bb0), ceil(K/kb)].
+    Returns C in out_dtype (accumulated in FP32, cast once at the end).
+    """
+    a = Operand(qa, sa, check_block(block_a, "block_a"))
+    b = Operand(qb, sb, check_block(block_b, "block_b"))
+    _check_operands(a, b)
+    return scaled_mm(a, b, out_dtype=out_dtype, executor=executor)
+
+
+def scaled_mm(a: Operand, b: Operand, *, out_dtype: torch.dtype, executor: str | None = None) -> torch.Tensor:
+    """blockwise_scaled_mm on validated Operands (the entry used inside the package)."""
+    name = select_executor(a.q.device, executor)
+    if name in ("emulated", "emulated_blockwise"):
+        from fp8rl_core.fp8 import emulate
+
+        run = emulate.fold_mm if name == "emulated" else emulate.blockwise_mm
+        return run(a, b, out_dtype)
+    from fp8rl_core.fp8 import cuda_exec  # lazy: CUDA-only code
+
+    return cuda_exec.run(name, a, b, out_dtype)

@@ -1,0 +1,33 @@
+"""`Operand`: one blockwise-E4M3 GEMM operand, carried between the quantizer and the executors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fp8rl_core.fp8.quant import dequantize_2d
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A [R, K] GEMM operand quantized along K: q E4M3 [R, K], scale FP32 [ceil(R/br), ceil(K/bk)].
+
+    deq, when the quantizer already produced it, is the FP32 dequantized copy q * scale [R, K]
+    (the emulated executor's input; computing it inside the quantizer's pass saves a float8 decode).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+    deq: torch.Tensor | None = None
+
+    def t(self) -> Operand:
+        """The transposed operand (views, no copies): [K, R] with the block grid transposed."""
+        deq = None if self.deq is None else self.deq.t()
+        return Operand(self.q.t(), self.scale.t(), (self.block[1], self.block[0]), deq)
+
+    def dequantized(self) -> torch.Tensor:
+        """deq, or q * scale computed now (FP32 [R, K])."""
+        if self.deq is not None:
+            return self.deq
+        return dequantize_2d(self.q, self.scale, self.block)

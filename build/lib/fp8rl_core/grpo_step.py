@@ -1,0 +1,186 @@
+"""One GRPO step as the study runs it: generate -> score -> (mismatch, IS weights) -> train -> refit.
+
+    1) sample P prompts, G generations each, from the generation engine (its own weight copy);
+    2) rewards [P, G] -> leave-one-out advantages;
+    3) the training engine scores the sampled tokens under the same weights that generated them
+       (old log-probs): token_mult_prob_error(old, gen) is the engines' mismatch;
+    4) importance weights w = f(old - gen) correct the policy gradient for that mismatch;
+    5) `optim.micro_steps` optimizer steps on shuffled minibatches of the rollout batch;
+    6) refit the generation engine from the updated trainer weights.
+
+With `optim.micro_steps == 1` (and `train.reuse_old_logprobs`) step 3 is folded into step 5: the
+training forward runs under the same weights that scored the batch, so its detached log-probs are the
+old log-probs; IS weights are computed from them before the loss (ratio exp(lp - lp.detach()) = 1 with
+the policy gradient) and one forward pass is saved.
+
+Data parallel (world size W > 1, docs/design.md "Scale-out"): every rank draws the same P prompts from the
+shared data RNG and keeps its P/W whole GRPO groups (rank r: prompts [r P/W, (r+1) P/W)), generates them
+with its own engine and sampling stream, trains on them; loss and metrics are global and token-weighted.
+What depends on the world size: the prompts of a step and their split do not; the sampled responses
+do (rank r samples its rows from its own stream, builder.rank_seed; rank 0 starts from the run's seed
+but draws fewer rows), so runs at W = 1 and W = 2 are statistically, not bitwise, alike. Given the
+same global batch, the step is the same within FP32 tolerance (tests/fp8rl_core/distributed): the
+old log-probs and the mismatch/IS metrics agree to float64 summation order, the loss to FP32
+rounding, gradients to the rounding of per-rank partial sums.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fp8rl_core import grpo
+from fp8rl_core.config import RunConfig
+from fp8rl_core.diagnostics.tokens import observe_step
+from fp8rl_core.distributed.mesh import SINGLE, Mesh
+from fp8rl_core.engines.base import GenerationEngine, SamplingParams, TrainBatch, TrainingEngine
+from fp8rl_core.fp8.gemm import executor_flags
+from fp8rl_core.importance import compute_importance, importance_stats
+from fp8rl_core.metrics import token_mult_prob_error
+from fp8rl_core.rollout import broadcast_advantages, build_train_batch, split_rows
+from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
+
+
+@dataclass
+class RunContext:
+    cfg: RunConfig
+    tokenizer: Any
+    task: Any
+    gen: GenerationEngine
+    train: TrainingEngine
+    ref: TrainingEngine | None  # frozen reference policy for the KL term (kl_coef > 0)
+    data_rng: random.Random  # prompt sampling, the same on every rank; its state is checkpointed
+    shuffle: torch.Generator  # minibatch order; its state is checkpointed
+    mesh: Mesh = SINGLE  # this process's rank and world size (fp8rl_core/distributed)
+
+
+def sampling_params(cfg: RunConfig) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+
+def _rollout(ctx: RunContext) -> tuple[list[list[int]], Any, torch.Tensor, float]:
+    """Generate this rank's share of the P x G responses. Returns (prompts [B], output, rewards
+    [P/W, G], seconds); all ranks draw the same P prompts so the data stream does not depend on W."""
+    P, G = ctx.cfg.rollout.prompts_per_step, ctx.cfg.rollout.samples_per_prompt
+    examples = ctx.task.sample_train(ctx.data_rng, P)
+    if ctx.mesh.distributed:
+        examples = [examples[i] for i in ctx.mesh.shard(P, "rollout.prompts_per_step prompts")]
+    prompts = [ctx.tokenizer.encode(ex.prompt) for ex in examples for _ in range(G)]
+    t0 = time.perf_counter()
+    out = ctx.gen.generate(prompts, sampling_params(ctx.cfg))
+    seconds = time.perf_counter() - t0
+    lengths = out.response_mask.sum(dim=1).tolist()
+    texts = [ctx.tokenizer.decode(out.response_ids[i, :n].tolist()) for i, n in enumerate(lengths)]
+    rewards = torch.tensor([ctx.task.reward(examples[i // G], t) for i, t in enumerate(texts)],
+                           dtype=torch.float32).view(len(examples), G)
+    return prompts, out, rewards, seconds
+
+
+def reuses_old_logprobs(cfg: RunConfig) -> bool:
+    """One optimizer step per rollout batch: the training forward's log-probs are the old ones."""
+    return cfg.optim.micro_steps == 1 and cfg.train.reuse_old_logprobs
+
+
+def _importance_fn(cfg: RunConfig):
+    """sub-batch (old_logprobs set) -> IS weights [b, T]: what the engine calls on the reuse path."""
+    s = cfg.loss
+
+    def weigh(b: TrainBatch) -> torch.Tensor:
+        return compute_importance(b.old_logprobs, b.gen_logprobs.to(b.old_logprobs.device), b.response_mask,
+                                  s.importance_sampling, cap=s.is_cap, low=s.is_low, high=s.is_high).weights
+
+    return weigh
+
+
+def _train(ctx: RunContext, batch: TrainBatch, reuse: bool) -> dict[str, float]:
+    """`micro_steps` optimizer steps; metrics averaged over them (token-weighted where it matters).
+
+    reuse: the (single) step scores the batch itself; its old log-probs / IS weights are written back
+    into `batch` in the batch's row order.
+    """
+    parts = split_rows(batch.input_ids.shape[0], ctx.cfg.optim.micro_steps, ctx.shuffle)
+    sums: dict[str, float] = {}
+    for rows in parts:
+        sub = batch.select(rows)
+        if reuse:
+            sub.old_logprobs = sub.is_weights = None
+            metrics = ctx.train.train_step(sub, importance=_importance_fn(ctx.cfg))
+            batch.old_logprobs = torch.empty_like(ctx.train.last_old_logprobs).index_copy_(
+                0, rows.to(ctx.train.last_old_logprobs.device), ctx.train.last_old_logprobs)
+            batch.is_weights = torch.empty_like(batch.old_logprobs).index_copy_(
+                0, rows.to(batch.old_logprobs.device), ctx.train.last_is_weights)
+        else:
+            metrics = ctx.train.train_step(sub)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    return {k: v / len(parts) for k, v in sums.items()}
+
+
+def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor,
+                  isw) -> dict[str, float]:
+    """reward_mean, token_mult_prob_error, response_length_mean and the IS stats over ALL ranks' data.
+
+    World size 1: the pure functions, exactly as a single process computes them. Otherwise float64
+    sums and counts (token-weighted), all-reduced: equal to the single-process values on the same
+    global batch up to float64 summation order.
+    """
+    m = mask.bool()
+    n = int(m.sum())
+    if not mesh.distributed:
+        return {"reward_mean": float(rewards.mean()), "token_mult_prob_error": token_mult_prob_error(old, gen, m),
+                "response_length_mean": n / m.shape[0], **importance_stats(isw)}
+    d = old.detach().double()[m] - gen.detach().double()[m]
+    w, raw = isw.weights.double()[m], isw.raw.double()[m]
+    s = mesh.all_reduce_sum([float(rewards.double().sum()), rewards.numel(), n, m.shape[0],
+                             float(torch.exp(d.abs()).sum()), float(w.sum()), float(raw.sum()),
+                             float((isw.truncated & m).sum()), float((isw.masked & m).sum())]).tolist()
+    mx = mesh.all_reduce_max([float(w.max()) if n else 0.0, float(raw.max()) if n else 0.0]).tolist()
+    r_sum, r_n, n_all, rows, e_sum, w_sum, raw_sum, trunc, masked = s
+    per_token = (lambda x: x / n_all) if n_all else (lambda x: 0.0)  # noqa: E731
+    return {"reward_mean": r_sum / r_n, "token_mult_prob_error": e_sum / n_all if n_all else float("nan"),
+            "response_length_mean": n_all / rows, M_IS_WEIGHT: per_token(w_sum), "is_weight_max": mx[0],
+            "is_raw_weight_mean": per_token(raw_sum), "is_raw_weight_max": mx[1],
+            "is_fraction_truncated": per_token(trunc), "is_fraction_masked": per_token(masked)}
+
+
+def grpo_step(ctx: RunContext) -> dict[str, float]:
+    """Run one step; returns its metrics (names per the MLflow contract in docs/design.md), global over ranks."""
+    t_start = time.perf_counter()
+    loss_cfg = ctx.cfg.loss
+    prompts, out, rewards, gen_s = _rollout(ctx)
+    batch = build_train_batch(prompts, out, ctx.tokenizer.pad_id)
+    adv = grpo.group_advantages(rewards).reshape(-1)
+    batch.advantages = broadcast_advantages(adv, batch.response_mask)
+    mask = batch.response_mask
+    reuse = reuses_old_logprobs(ctx.cfg) and hasattr(ctx.train, "last_old_logprobs")
+    if not reuse:
+        batch.old_logprobs = ctx.train.logprobs(batch)
+        batch.is_weights = _importance_fn(ctx.cfg)(batch)
+    if ctx.ref is not None:
+        batch.ref_logprobs = ctx.ref.logprobs(batch)
+    t_train = time.perf_counter()
+    train_metrics = _train(ctx, batch, reuse)
+    ctx.gen.refit(ctx.train.weights())
+    train_s = time.perf_counter() - t_train
+    isw = compute_importance(batch.old_logprobs, batch.gen_logprobs, mask, loss_cfg.importance_sampling,
+                             cap=loss_cfg.is_cap, low=loss_cfg.is_low, high=loss_cfg.is_high)
+    stats = _global_stats(ctx.mesh, rewards, batch.old_logprobs, batch.gen_logprobs, mask, isw)
+    n_resp = int(ctx.mesh.all_reduce_sum([int(mask.sum())])[0])
+    metrics = {
+        M_REWARD: stats.pop("reward_mean"),
+        M_MISMATCH: stats.pop("token_mult_prob_error"),
+        "response_length_mean": stats.pop("response_length_mean"),
+        "generation_tokens_per_s": n_resp / max(float(ctx.mesh.all_reduce_max([gen_s])[0]), 1e-9),
+        "train_time_s": train_s,
+        **stats,
+        **train_metrics,
+        **observe_step(ctx, batch),  # the mismatch-metric catalogue (fp8rl_core/diagnostics); keeps the batch
+        **executor_flags(),  # a CUDA GEMM fell back to BF16 output: say so in the run, not only in a warning
+    }
+    metrics[M_STEP_TIME] = time.perf_counter() - t_start
+    metrics[M_TOKENS_PER_S] = n_resp / metrics[M_STEP_TIME]  # response tokens generated + trained per second
+    return metrics

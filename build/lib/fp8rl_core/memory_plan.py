@@ -1,0 +1,306 @@
+"""Peak memory per rank of one GRPO cell, from the model's config alone, and a refusal that names the fix.
+
+    plan = plan_memory("path/to/config.json", Layout(world_size=8, rows_per_step=64 * 32, prompt_tokens=512,
+                                                     max_new_tokens=4096, micro_batch_size=1))
+    why = check(plan, 80 * 2**30)       # None: it fits; else a message naming the knobs that would make it fit
+    print(plan.table())
+
+Pure: no weights are read and nothing is allocated (parameters are counted on the meta device). With
+N parameters (N_lin in the blocks' linear layers, N_blk per block, N_root outside the blocks), W ranks,
+L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads x head_dim, vocab V:
+
+  resident (every phase):
+    params      4 N / W          FP32 master weights (FSDP2 shards; W = 1: the whole model)
+    optimizer   8 N / W          AdamW exp_avg + exp_avg_sq, FP32
+    reference   2 N / W          frozen BF16 policy for the KL term (kl_coef > 0 only)
+    gen_weights 2 N              the generation engine's own copy, unsharded on every rank; FP8
+                                 generation: 1 B per block-linear parameter, BF16 for the rest
+  then the largest of three phases:
+    generation  b_gen x (prompt + new) x L x 2 x kv_dim x 2 B       KV cache (BF16); b_gen: the native engine
+                                                                    decodes all rows_r = rows / W at once; vLLM
+                                                                    pages it (paged_kv): at least one sequence
+    logprobs    b_lp x T x V x 14 B + fsdp                          no-grad forward: BF16 logits, their FP32
+                                                                    copy, /temperature, log_softmax
+    training    max(grads 4 N / W, saved) + fsdp,  saved = casts + b_mb x T x (L x a + 8 h + 16 V)
+                (backward frees a block's saved tensors as it writes that block's gradients)
+      a = 18 h + 16 q_dim + 8 I + 4 head_dim   bytes saved for backward per token and block: FP32 norm
+          inputs (4 h each), BF16 norm outputs and linear inputs (2 h each), q/k/v/out of attention
+          (FP32 on the CPU: 16 q_dim; 8 q_dim in BF16 on CUDA), SwiGLU gate/up/silu/product (8 I), RoPE
+      16 V  logits: FP32 log-softmax saved + its gradient + the entropy's temporaries
+      casts = 2 N_lin  autocast's BF16 copies of the block linears, kept for backward (1 N_lin for FP8
+          training, E4M3); activation checkpointing keeps one block's (2 N_blk) and a = 2 h (block inputs)
+          plus one block recomputed (a); FP8 training on the CPU adds b_mb x T x 12 I (FP32 GEMM emulation
+          of one linear: dequantized input and FP32 output)
+      fsdp (W > 1) = 12 N_blk + 8 N_root  two unsharded blocks in flight + one block's unsharded grads,
+          and the root group (embeddings, final norm, head) unsharded with its grads;
+          parallel.reshard_after_forward false: every block's gathered weights stay until its backward,
+          + 4 N_blk x (L - 2) in the logprobs and training phases
+      parallel.grad_reduce step (W > 1): gradients accumulate unsharded over the micro-batches, so the
+          training phase holds all of them beside the saved tensors: grads = 4 N, not max(4 N / W, saved)
+  T = prompt + new, b_mb = micro_batch_size (0: all rows_r), b_lp = logprob_batch_size (0: all rows_r).
+  cpu_offload (W > 1: FSDP2's CPUOffloadPolicy) moves params, grads, optimizer and reference to host
+  memory (`host`, not counted on the device); the unsharded FSDP copies stay on the device.
+
+  vLLM generation (Layout.vllm; engines.vllm of the run config): vLLM's own weight copy (gen_weights,
+  as above) and its KV pool, kv_cache = engines.vllm.kv_cache_memory_bytes if set, else
+  concurrency x max_model_len x L x 2 x kv_dim x 2 B (concurrency: engines.vllm.max_num_seqs, else
+  every row of the rank at once; max_model_len: engines.vllm.max_model_len, else prompt + new; at
+  tensor_parallel_size > 1 both split over its GPUs). With sleep mode (engines.vllm.sleep_between_steps)
+  both exist only in the generation phase (sleep(level=1) moves the weights to the host, `host:
+  gen_weights`, and frees the KV pool while the trainer runs); without it they are resident in every phase.
+  Megatron training (Layout.trainer_sharded False): the engine runs one replica per rank, so params,
+  optimizer and gradients are not divided by W (see engines/megatron_train.py check_layout).
+
+Checked against measured peak RSS on the CPU (tests/fp8rl_core/test_memory_plan.py: tiny and hidden 1024,
+within 25%).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a cell runs: what the plan needs besides the model's config."""
+
+    world_size: int = 1  # ranks (FSDP2 shards over all of them)
+    rows_per_step: int = 128  # sequences per step over all ranks: prompts_per_step x samples_per_prompt
+    prompt_tokens: int = 16  # the longest prompt, in tokens
+    max_new_tokens: int = 8
+    micro_batch_size: int = 0  # sequences per training forward/backward (0: all of a rank's rows)
+    logprob_batch_size: int = 0  # sequences per log-prob forward (0: all of a rank's rows)
+    cpu_offload: bool = False  # params, grads, optimizer, reference on the host between uses
+    activation_checkpointing: bool = False  # recompute each block in backward
+    grad_reduce_per_step: bool = False  # parallel.grad_reduce step: full unsharded gradients per rank
+    reshard_after_forward: bool = True  # parallel.reshard_after_forward false: all blocks' weights gathered
+    reference: bool = False  # a frozen reference policy (loss.kl_coef > 0)
+    fp8_training: bool = False
+    fp8_generation: bool = False
+    device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
+    generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
+    paged_kv: bool = False  # vLLM: paged KV, as many sequences as memory allows (counted: generation_batch_size or 1)
+    vllm: bool = False  # the vLLM engine (engines.generation=vllm): its weights + KV pool, below
+    vllm_max_model_len: int = 0  # KV length per sequence (0: prompt_tokens + max_new_tokens)
+    vllm_concurrency: int = 0  # sequences whose KV is held at once (engines.vllm.max_num_seqs; 0: all rows_r)
+    vllm_kv_cache_bytes: int = 0  # engines.vllm.kv_cache_memory_bytes (0: from the two above)
+    vllm_tensor_parallel: int = 1  # GPUs one vLLM engine spans (its weights and KV split over them)
+    vllm_sleep: bool = True  # sleep mode: vLLM's memory only in the generation phase
+    trainer_sharded: bool = True  # FSDP2 (native engine) divides the trainer's state by W; Megatron (here): no
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.rows_per_step < 1 or self.micro_batch_size < 0 or self.logprob_batch_size < 0:
+            raise ValueError(f"layout: need world_size, rows_per_step >= 1 and batch sizes >= 0, got {self}")
+
+    @property
+    def rows_per_rank(self) -> int:
+        return -(-self.rows_per_step // self.world_size)
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # tied weights once
+    block: int  # one transformer block
+    block_linear: int  # all blocks' linear weights (what FP8 quantizes, what autocast casts)
+    root: int  # outside the blocks: embeddings, final norm, LM head
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    layout: Layout
+    model: Any  # fp8rl_core.model.config.ModelConfig
+    params: ParamCounts
+    device: dict[str, int]  # bytes per rank on the accelerator (the CPU itself on a CPU run), by part
+    host: dict[str, int] = field(default_factory=dict)  # bytes per rank offloaded to host memory
+    phase: str = ""  # the phase that sets the peak: generation, logprobs or training
+
+    @property
+    def peak(self) -> int:
+        return sum(self.device.values())
+
+    def table(self) -> str:
+        rows = [f"{k:<12} {v / GiB:9.2f} GiB" for k, v in self.device.items()]
+        rows += [f"{'host:' + k:<12} {v / GiB:9.2f} GiB" for k, v in self.host.items()]
+        return "\n".join(rows + [f"{'peak':<12} {self.peak / GiB:9.2f} GiB  ({self.phase} phase, per rank)"])
+
+
+def load_model_config(source: Any) -> Any:
+    """A ModelConfig from a ModelConfig, an HF config dict, a config.json path or a checkpoint folder."""
+    from fp8rl_core.model.config import ModelConfig
+
+    if isinstance(source, ModelConfig):
+        return source
+    if isinstance(source, dict):
+        return ModelConfig.from_hf_dict(source)
+    path = Path(source)
+    return ModelConfig.from_hf_dict(json.loads((path / "config.json" if path.is_dir() else path).read_text()))
+
+
+def count_parameters(cfg: Any) -> ParamCounts:
+    """Parameters of our CausalLM for `cfg`, counted on the meta device (nothing is allocated)."""
+    return _count(json.dumps(asdict(cfg), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _count(cfg_json: str) -> ParamCounts:
+    import torch
+
+    from fp8rl_core.model.config import ModelConfig
+
+    cfg = ModelConfig(**json.loads(cfg_json))
+    from fp8rl_core.model.llama import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    return ParamCounts(total=total, block=block, block_linear=linear, root=total - block * cfg.num_hidden_layers)
+
+
+def _activations(cfg: Any, lay: Layout, p: ParamCounts, rows: int) -> dict[str, int]:
+    """Training-phase bytes of one micro-batch of `rows` sequences (see the module docstring)."""
+    h, q_dim, L, V = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size
+    attn = 16 if lay.device == "cpu" else 8
+    per_block = 18 * h + attn * q_dim + 8 * cfg.intermediate_size + 4 * cfg.head_dim
+    cast_b = 1 if lay.fp8_training else 2
+    if lay.activation_checkpointing:
+        saved, casts = L * 2 * h + per_block, cast_b * p.block
+    else:
+        saved, casts = L * per_block, cast_b * p.block_linear
+    tokens = rows * lay.tokens
+    out = {"casts": casts, "activations": tokens * (saved + 8 * h), "logits": tokens * 16 * V}
+    if lay.fp8_training and lay.device == "cpu":  # FP32 GEMM emulation: dequantized input + FP32 output of one linear
+        out["fp8_emulation"] = tokens * 12 * cfg.intermediate_size
+    return out
+
+
+def _training(cfg: Any, lay: Layout, p: ParamCounts, rows: int, fsdp: dict[str, int]) -> dict[str, int]:
+    """Training phase: backward frees each block's saved tensors as it writes that block's gradients,
+    so the peak is max(saved, grads), not their sum: grads are counted beyond the saved bytes."""
+    saved = _activations(cfg, lay, p, rows)
+    if lay.grad_reduce_per_step and lay.world_size > 1 and lay.trainer_sharded:
+        return {"grads_unsharded": 4 * p.total, **saved, **fsdp}  # accumulated beside every micro-batch's saved
+    grads = max(4 * p.total // (lay.world_size if lay.trainer_sharded else 1) - sum(saved.values()), 0)
+    return {**({"grads": grads} if grads else {}), **saved, **fsdp}
+
+
+def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
+    """Per-rank peak memory of a GRPO step for `model_config` (see load_model_config) run as `layout`."""
+    cfg = load_model_config(model_config)
+    p = count_parameters(cfg)
+    lay, W = layout, layout.world_size
+    S = W if lay.trainer_sharded else 1  # how many ways the trainer's state is split
+    resident = {"params": 4 * p.total // S, "optimizer": 8 * p.total // S,
+                "reference": 2 * p.total // S if lay.reference else 0}
+    gen_lin = p.block_linear
+    gen_weights = (gen_lin + 2 * (p.total - gen_lin)) if lay.fp8_generation else 2 * p.total
+    fsdp = {"fsdp_unsharded": 12 * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
+    if fsdp and not lay.reshard_after_forward:  # every block gathered from its forward to its backward
+        fsdp["fsdp_kept_gathered"] = 4 * p.block * max(cfg.num_hidden_layers - 2, 0)
+    rows = lay.rows_per_rank
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    host: dict[str, int] = {}
+    if lay.vllm:
+        tp = max(lay.vllm_tensor_parallel, 1)
+        kv = lay.vllm_kv_cache_bytes or (min(lay.vllm_concurrency or rows, rows)
+                                         * (lay.vllm_max_model_len or lay.tokens) * kv_token)
+        gen = {"gen_weights": gen_weights // tp, "kv_cache": kv // tp}
+        if lay.vllm_sleep:
+            host["gen_weights"] = gen["gen_weights"]  # sleep(level=1) while the trainer runs
+        else:
+            resident.update(gen)
+            gen = {}
+    else:
+        resident["gen_weights"] = gen_weights
+        gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
+        gen = {"kv_cache": gen_rows * lay.tokens * kv_token}
+    b_lp = lay.logprob_batch_size or rows
+    b_mb = lay.micro_batch_size or rows
+    phases = {"generation": gen,
+              "logprobs": {"logits": min(b_lp, rows) * lay.tokens * cfg.vocab_size * 14, **fsdp},
+              "training": _training(cfg, lay, p, min(b_mb, rows), fsdp)}
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+    if lay.cpu_offload and W > 1 and lay.trainer_sharded:  # FSDP2's CPUOffloadPolicy (one process: unsharded)
+        moved = ("params", "optimizer", "reference", "grads")
+        host.update({k: v for k, v in {**resident, **phases["training"]}.items() if k in moved and v})
+        resident = {k: (0 if k in moved else v) for k, v in resident.items()}
+        phases[phase] = {k: (0 if k in moved else v) for k, v in phases[phase].items()}
+    device = {k: v for k, v in {**resident, **phases[phase]}.items() if v}
+    return MemoryPlan(layout=lay, model=cfg, params=p, device=device, host=host, phase=phase)
+
+
+def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
+    """None when the plan's peak fits `mem_bytes_per_rank`; else a refusal naming the knobs.
+
+    The refusal gives the peak each knob alone would reach (more ranks: the fewest that fit, at
+    most 1024; train.micro_batch_size/logprob_batch_size = 1; parallel.activation_checkpointing;
+    parallel.cpu_offload), then the smallest layout that fits with all of them, if any.
+    """
+    if plan.peak <= mem_bytes_per_rank:
+        return None
+    lay, fits = plan.layout, lambda lay: plan_memory(plan.model, lay).peak <= mem_bytes_per_rank
+
+    def peak(lay: Layout) -> str:
+        return f"{plan_memory(plan.model, lay).peak / GiB:.1f} GiB"
+
+    ranks = [replace(lay, world_size=lay.world_size * 2**k) for k in range(1, 11) if lay.world_size * 2**k <= 1024]
+    more = next((r for r in ranks if fits(r)), ranks[-1] if ranks else lay)
+    small = replace(lay, micro_batch_size=1, logprob_batch_size=1)
+    knobs = [f"more ranks: {more.world_size} -> {peak(more)}",
+             f"train.micro_batch_size=1 and train.logprob_batch_size=1 -> {peak(small)}",
+             f"parallel.activation_checkpointing=true -> {peak(replace(lay, activation_checkpointing=True))}",
+             f"parallel.cpu_offload=true -> {peak(replace(lay, cpu_offload=True))}"]
+    allin = [replace(r, micro_batch_size=1, logprob_batch_size=1, activation_checkpointing=True, cpu_offload=off)
+             for r in [lay, *ranks] for off in (False, True)]
+    best = next((r for r in allin if fits(r)), None)
+    tail = (f"fits with all of them at {best.world_size} ranks{' and cpu_offload' if best.cpu_offload else ''}"
+            f" ({peak(best)})" if best else "no combination fits: a smaller model or a larger device")
+    return (f"needs {plan.peak / GiB:.1f} GiB per rank, has {mem_bytes_per_rank / GiB:.1f} GiB (peak in the "
+            f"{plan.phase} phase: " + ", ".join(f"{k} {v / GiB:.1f}" for k, v in
+                                                  sorted(plan.device.items(), key=lambda kv: -kv[1]))
+            + " GiB). Knobs: " + "; ".join(knobs) + "; " + tail)
+
+
+def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: str | None = None) -> Layout:
+    """The Layout of a RunConfig (fp8rl_core/config.py) at `world_size` ranks. prompt_tokens: the
+    longest prompt (the config does not know it; 64 covers the arithmetic task's prompts)."""
+    from fp8rl_core.recipes import get_recipe
+
+    recipe = get_recipe(cfg.recipe)
+    par = getattr(cfg, "parallel", None)
+    vllm = cfg.engines.vllm
+    return Layout(vllm=cfg.engines.generation == "vllm", vllm_max_model_len=vllm.max_model_len or 0,
+                  vllm_concurrency=vllm.max_num_seqs or 0, vllm_kv_cache_bytes=vllm.kv_cache_memory_bytes or 0,
+                  vllm_tensor_parallel=vllm.tensor_parallel_size, vllm_sleep=vllm.sleep_between_steps,
+                  trainer_sharded=cfg.engines.training == "native",
+                  world_size=world_size, rows_per_step=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
+                  prompt_tokens=prompt_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
+                  micro_batch_size=getattr(cfg.train, "micro_batch_size", 0),
+                  logprob_batch_size=getattr(cfg.train, "logprob_batch_size", 0),
+                  cpu_offload=bool(getattr(par, "cpu_offload", False)),
+                  activation_checkpointing=bool(getattr(par, "activation_checkpointing", False)),
+                  grad_reduce_per_step=getattr(par, "grad_reduce", "micro_batch") == "step",
+                  reshard_after_forward=bool(getattr(par, "reshard_after_forward", True)),
+                  reference=cfg.loss.kl_coef > 0, fp8_training=recipe.fp8_training,
+                  fp8_generation=recipe.fp8_generation,
+                  device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
+                  paged_kv=cfg.engines.generation == "vllm")
+
+
+def plan_for_run(cfg: Any, world_size: int = 1, prompt_tokens: int = 64, device: str | None = None) -> MemoryPlan:
+    """The memory plan of a RunConfig: the model from `model.path`'s config.json, else its preset.
+    For `sweep plan`: `check(plan_for_run(cell_cfg, nodes * tasks_per_node), gpu_mem_bytes)`."""
+    from fp8rl_core.model.config import PRESETS
+
+    source = Path(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset]
+    return plan_memory(source, layout_for_run(cfg, world_size, prompt_tokens, device))

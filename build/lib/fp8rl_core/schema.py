@@ -1,0 +1,174 @@
+"""Typed configs from plain dicts: one source of truth for every key, with errors that show the fix.
+
+`build(cls, data, where)` turns a nested dict (from YAML or CLI overrides) into a nested dataclass,
+rejecting unknown keys and wrong types with `where: key: what is wrong; valid: ...`. Dataclasses may
+define `validate(self) -> None` raising `ConfigError` (via `fail`) for value constraints.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import types
+import typing
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+class ConfigError(ValueError):
+    """A bad config value. `str()` reads `where: key: problem; valid: choices`."""
+
+    def __init__(self, key: str, problem: str, valid: str | None = None, where: str = ""):
+        self.key, self.problem, self.valid, self.where = key, problem, valid, where
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        head = f"{self.where}: " if self.where else ""
+        tail = f"; valid: {self.valid}" if self.valid else ""
+        return f"{head}{self.key}: {self.problem}{tail}"
+
+    def located(self, where: str, prefix: str = "") -> ConfigError:
+        key = f"{prefix}.{self.key}" if prefix and self.key else (prefix or self.key)
+        return ConfigError(key, self.problem, self.valid, where or self.where)
+
+
+def fail(key: str, problem: str, valid: str | None = None) -> None:
+    raise ConfigError(key, problem, valid)
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check/convert `value` to type `tp` (int -> float allowed; nothing else is guessed)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            fail(key, f"{value!r} is not allowed", ", ".join(str(a) for a in args))
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            fail(key, f"expected a mapping, got {type(value).__name__}", ", ".join(field_names(tp)))
+        return build(tp, value, prefix=key)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            fail(key, f"expected a list, got {type(value).__name__} {value!r}")
+        item = args[0] if args else Any
+        return type(value)(_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)) if origin is list \
+            else tuple(_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            fail(key, f"expected a mapping, got {type(value).__name__}")
+        return {str(k): _coerce(args[1] if args else Any, v, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+        return float(value)  # PyYAML (YAML 1.1) reads `3e-4` as a string; it is plainly a number
+    if tp is bool and not isinstance(value, bool):
+        fail(key, f"expected true or false, got {value!r}")
+    if tp is int and isinstance(value, bool):
+        fail(key, f"expected an integer, got {value!r}")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        fail(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def build(cls: type, data: dict | None, where: str = "", prefix: str = "") -> Any:
+    """Build dataclass `cls` from `data`; unknown keys and bad values raise ConfigError."""
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    names = field_names(cls)
+    kwargs = {}
+    try:
+        for k, v in data.items():
+            if k not in names:
+                fail(str(k), "unknown key", ", ".join(names))
+            kwargs[k] = _coerce(hints[k], v, str(k))
+        obj = cls(**kwargs)
+        if hasattr(obj, "validate"):
+            obj.validate()
+        return obj
+    except ConfigError as e:
+        raise e.located(where, prefix) from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain nested dict/list (YAML/JSON friendly)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=value` -> ("a.b", yaml-typed value). Raises ConfigError on a missing '='."""
+    if "=" not in text:
+        fail(text, "an override must read key=value (e.g. loss.importance_sampling=token)")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    """Set `data[a][b] = value` for key 'a.b', creating intermediate dicts."""
+    parts = key.split(".")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+def get_dotted(data: dict, key: str, default: Any = None) -> Any:
+    node: Any = data
+    for p in key.split("."):
+        if not isinstance(node, dict) or p not in node:
+            return default
+        node = node[p]
+    return node
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1} (lists stay values)."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def stable_hash(data: Any, length: int = 12) -> str:
+    """sha256 of canonical JSON (sorted keys): the same config gives the same id on every machine."""
+    text = json.dumps(to_dict(data), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]

@@ -1,0 +1,76 @@
+"""Tracking: where a run's metrics go (local JSONL always, MLflow when configured) and the MLflow
+run management the sweep driver uses.
+
+The MLflow contract (what the UI, `analysis/` and outside tools read; these names never change):
+- one parent run per sweep (tag `fp8rl.role=sweep`), one child run per cell (`fp8rl.role=cell`,
+  `mlflow.parentRunId`), child tags `sweep`, `cell_id`, `recipe`, `importance_sampling`, `seed`;
+- per-step metrics `token_mult_prob_error`, `reward_mean`, `val_accuracy` (validation steps only,
+  a fraction in [0, 1]), `is_weight_mean`, `loss`, `step_time_s`, and the mismatch tails
+  `logprob_abs_diff_frac_gt_{0.1,1,10}`. Optional: `tokens_per_s`; the rest of the diagnostics
+  catalogue (fp8rl_core/diagnostics/catalogue.py) and the `diagnostics/worst_tokens.jsonl` artifact.
+
+Run side (the training loop):
+
+    from fp8rl_core.tracking.sink import make_run_sink
+    sink = make_run_sink(cfg, cfg.output_dir)      # JSONL always; + MLflow when cfg.tracking.uri is set
+    sink.log_params(flat_config); sink.log(step, {"loss": 0.3, ...}); sink.close("FINISHED")
+    # or open_sink(output_dir, uri, run_id) without a RunConfig
+
+Driver side (`launchers/`): `runs.py` owns every run's lifecycle — `ensure_experiment`,
+`create_parent_run`, `find_or_create_cell_run`, `cell_states`, `start_run`, `end_run` (which ships a
+cell's unshipped metrics.jsonl records before it sets the status), `finish_run`; `store.py` holds the
+helpers below it (URIs, retries, the one status write); `server.py`: `start_server`.
+
+Modules, lowest first (no cycles): `jsonl` (the local buffer) <- `store` <- `mlflow_sink` (ships the
+buffer) <- `runs` (lifecycle) <- `sink` (what a training run logs through: `make_run_sink`).
+
+Submodules that import MLflow are loaded lazily, so that `import fp8rl_core.tracking` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# --- the contract -------------------------------------------------------------------------------
+TAG_SWEEP = "sweep"
+TAG_CELL_ID = "cell_id"
+TAG_RECIPE = "recipe"
+TAG_IS = "importance_sampling"
+TAG_SEED = "seed"
+TAG_ROLE = "fp8rl.role"  # "sweep" on the parent run, "cell" on each child
+TAG_PARENT = "mlflow.parentRunId"  # MLflow's own: the UI nests child runs under their parent
+CELL_TAGS = (TAG_SWEEP, TAG_CELL_ID, TAG_RECIPE, TAG_IS, TAG_SEED)
+
+M_MISMATCH = "token_mult_prob_error"
+M_REWARD = "reward_mean"
+M_VAL_ACC = "val_accuracy"
+M_IS_WEIGHT = "is_weight_mean"
+M_LOSS = "loss"
+M_STEP_TIME = "step_time_s"
+M_TOKENS_PER_S = "tokens_per_s"  # optional; the summary table shows it when logged
+# Tails of d = logprob_train - logprob_gen per step: the fraction of valid response tokens with |d| above
+# 0.1, 1 and 10 nats (fp8rl_core/diagnostics/catalogue.py computes them; analysis/ summarizes them per run).
+M_FRAC_GT_0P1 = "logprob_abs_diff_frac_gt_0.1"
+M_FRAC_GT_1 = "logprob_abs_diff_frac_gt_1"
+M_FRAC_GT_10 = "logprob_abs_diff_frac_gt_10"
+TAIL_FRACTIONS = (M_FRAC_GT_0P1, M_FRAC_GT_1, M_FRAC_GT_10)
+CONTRACT_METRICS = (M_MISMATCH, M_REWARD, M_VAL_ACC, M_IS_WEIGHT, M_LOSS, M_STEP_TIME, *TAIL_FRACTIONS)
+
+METRICS_FILE = "metrics.jsonl"  # the run's append-only buffer, under its output_dir
+
+_LAZY = {
+    "MetricSink": "sink", "JsonlSink": "sink", "MultiSink": "sink", "read_records": "sink", "make_run_sink": "sink",
+    "open_sink": "sink",
+    "MlflowSink": "mlflow_sink", "replay_buffer": "mlflow_sink",
+    "ensure_experiment": "runs", "create_parent_run": "runs", "find_parent_run": "runs",
+    "find_or_create_cell_run": "runs", "cell_states": "runs", "start_run": "runs", "end_run": "runs",
+    "finish_run": "runs", "flatten_params": "store", "context_tags": "store", "sqlite_path": "store",
+    "start_server": "server", "MlflowServer": "server",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

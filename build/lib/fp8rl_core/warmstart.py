@@ -1,0 +1,135 @@
+"""Supervised warm start: RL needs a policy whose reward is not zero.
+
+The tiny preset is trained briefly (cross-entropy on the answer + EOS) on the task's warm-start
+distribution and saved as an HF checkpoint under `<cache_dir>/<key>/`, where key hashes the model,
+task and warm-start config. Every cell of a sweep thus starts from the same weights (a fair
+ablation), and the stage runs once: later calls, from any process, find the finished folder. A file
+lock serialises concurrent first calls; the folder appears by an atomic rename, complete or not at all.
+"""
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from fp8rl_core.config import RunConfig
+from fp8rl_core.schema import stable_hash, to_dict
+
+
+def warmstart_key(cfg: RunConfig) -> str:
+    ws = to_dict(cfg.warmstart)
+    ws.pop("cache_dir")
+    return stable_hash({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "warmstart": ws})
+
+
+def sft_batch(examples: list, tokenizer: Any, task: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> input_ids Long[B, T] (right-padded), loss_mask Bool[B, T] on target tokens and EOS."""
+    rows, masks = [], []
+    for ex in examples:
+        prompt, target = task.sft_text(ex)
+        p = tokenizer.encode(prompt)
+        t = tokenizer.encode(target, add_bos=False) + [tokenizer.eos_id]
+        rows.append(p + t)
+        masks.append([False] * len(p) + [True] * len(t))
+    T = max(map(len, rows))
+    ids = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), T), dtype=torch.bool)
+    for i, (r, m) in enumerate(zip(rows, masks)):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(m)] = torch.tensor(m)
+    return ids, mask
+
+
+def sft_loss(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over masked positions: position t predicts ids[:, t]."""
+    logits = model(ids[:, :-1]).float()  # right padding: causal attention never sees it
+    target = ids[:, 1:]
+    m = mask[:, 1:]
+    return F.cross_entropy(logits[m], target[m])
+
+
+def dev_examples(cfg: RunConfig, task: Any) -> list:
+    """The warm start's stopping set: `dev_size` training-distribution prompts (never validation ones),
+    drawn from their own seed so that they do not shift the training stream."""
+    return task.sample_train(random.Random(cfg.task.data_seed + 2), cfg.warmstart.dev_size)
+
+
+def dev_accuracy(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, examples: list) -> float:
+    """Greedy exact-match accuracy of `model` on `examples`, decoded by a BF16 generation engine."""
+    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+    from fp8rl_core.evaluate import greedy_accuracy
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    gen = NativeGenerationEngine(model.config, fp8=False, dtype=dtype, device="cpu", seed=0)
+    gen.refit(model.state_dict())
+    return greedy_accuracy(gen, tokenizer, task, examples, cfg.rollout.max_new_tokens)
+
+
+def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> dict[str, float]:
+    """Supervised steps until `steps`, or until greedy dev accuracy >= `target_accuracy` (checked every
+    `eval_every` steps). Why a target: the tiny model learns carries in a sudden drop of the loss whose
+    step moves by >1000 steps with tiny numeric changes (thread count, kernels), so a fixed length
+    gives RL a very different starting policy from one machine to the next; a target does not.
+    Returns {"steps", "final_loss", "dev_accuracy"} (NaN where not measured)."""
+    ws = cfg.warmstart
+    done = {"steps": 0, "final_loss": float("nan"), "dev_accuracy": float("nan")}
+    if ws.steps == 0:  # RL straight from the initialization (e.g. for benchmarks)
+        return done
+    rng = random.Random(cfg.task.data_seed + 1)
+    dev = dev_examples(cfg, task) if ws.target_accuracy is not None else []
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    warmup = max(1, ws.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, cosine decay to 10%
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s / ws.steps, 1.0))))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.model.dtype == "bf16")
+    bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, mininterval=2.0)
+    for step in bar:
+        ids, mask = sft_batch(task.warmstart_sample(rng, ws.batch_size), tokenizer, task)
+        with autocast:
+            value = sft_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        done.update(steps=step + 1, final_loss=value.item())
+        if dev and (step + 1) % ws.eval_every == 0:
+            done["dev_accuracy"] = dev_accuracy(model, cfg, tokenizer, task, dev)
+        bar.set_postfix(loss=f"{done['final_loss']:.3f}", dev_acc=f"{done['dev_accuracy']:.3f}", refresh=False)
+        if done["dev_accuracy"] >= (ws.target_accuracy if dev else math.inf):
+            break
+    return done
+
+
+def warm_start(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool = True) -> Path:
+    """Path of the warm-start HF checkpoint for `cfg`, training it first if no process has yet."""
+    from fp8rl_core.model import build_model, save_pretrained
+    from fp8rl_core.model.config import preset
+
+    root = Path(cfg.warmstart.cache_dir)
+    final = root / warmstart_key(cfg)
+    if (final / "config.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be training the same key right now
+        if (final / "config.json").exists():
+            return final
+        torch.manual_seed(cfg.task.data_seed)
+        model = build_model(preset(cfg.model.preset, vocab_size=max(32, tokenizer.vocab_size)),
+                            dtype=torch.float32)
+        done = _train(model, cfg, tokenizer, task, progress)
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_pretrained(model, tmp, tokenizer=tokenizer)
+        (tmp / "warmstart.txt").write_text(" ".join(f"{k}={v:.4g}" for k, v in done.items()) + "\n")
+        tmp.rename(final)
+    return final
