@@ -61,18 +61,6 @@ def require_vllm() -> None:
     check_stack(("vllm",))
 
 
-def with_generation_eos(config: ModelConfig, path: str | None) -> ModelConfig:
-    """`config` with the EOS ids of the checkpoint's generation_config.json added (Qwen2.5-Instruct's turn
-    end is only there), so that every one of them is a stop token even when the caller read config.json alone."""
-    if not path:
-        return config
-    from fp8rl_core.model.config import merge_eos_ids
-    from fp8rl_core.model.hf_io import read_generation_config
-
-    eos = merge_eos_ids(config.eos_token_id, read_generation_config(Path(path)))
-    return config if eos == config.eos_token_id else dataclasses.replace(config, eos_token_id=eos)
-
-
 # Worker-side functions for LLM.collective_rpc: vLLM calls them with the worker as first argument.
 def _reload_parameters(worker: Any) -> list[str] | None:
     """Parameter names of the worker's model_runner.reload_weights, or None when it has none."""
@@ -99,7 +87,7 @@ class VllmGenerationEngine:
 
     def __init__(self, cfg: RunConfig, model_config: ModelConfig) -> None:
         require_vllm()
-        self.cfg, self.config = cfg, with_generation_eos(model_config, cfg.model.path)
+        self.cfg, self.config = cfg, model_config  # every EOS id already merged (hf_io.read_model_config)
         self.fp8 = get_recipe(cfg.recipe).fp8_generation
         self.fp8_spec = cfg.fp8
         self.fp8_spec.validate()

@@ -88,15 +88,21 @@ class ModelConfig:
         return d
 
 
-def merge_eos_ids(*sources: Any) -> int | list[int] | None:
+def eos_id_list(*sources: Any) -> list[int]:
     """The union, in order of first appearance, of the `eos_token_id` values (an id, a list, or None) of
-    several config dicts (config.json, generation_config.json); an int when there is only one."""
+    several config dicts (config.json, generation_config.json) or bare values."""
     ids: list[int] = []
     for src in sources:
         value = src.get("eos_token_id") if isinstance(src, dict) else src
         for i in value if isinstance(value, (list, tuple)) else ([] if value is None else [value]):
             if int(i) not in ids:
                 ids.append(int(i))
+    return ids
+
+
+def merge_eos_ids(*sources: Any) -> int | list[int] | None:
+    """eos_id_list as HF writes `eos_token_id`: an int when there is only one, None when there is none."""
+    ids = eos_id_list(*sources)
     return ids if len(ids) > 1 else (ids[0] if ids else None)
 
 

@@ -108,11 +108,12 @@ class Tokenizer:
         pad_id = _find(tok, pad, cfg.get("pad_token"), _PAD_NAMES, "pad")
         if eos_id is None:
             raise ValueError(f"{file}: cannot tell which token is EOS; pass eos=<id or token string>")
-        extra = []
-        for name in ("config.json", "generation_config.json"):
-            f = file.parent / name
-            value = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
-            extra += value if isinstance(value, list) else ([] if value is None else [value])
+        from fp8rl_core.model.config import eos_id_list
+        from fp8rl_core.model.hf_io import CONFIG, read_generation_config
+
+        model_cfg = file.parent / CONFIG  # a tokenizer folder need not hold a model's config.json
+        extra = eos_id_list(json.loads(model_cfg.read_text()) if model_cfg.is_file() else {},
+                            read_generation_config(file.parent))
         return cls(tok, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, strict=strict, extra_eos_ids=extra)
 
 

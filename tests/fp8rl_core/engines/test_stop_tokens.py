@@ -91,12 +91,3 @@ def test_tokenizer_reads_the_folder_eos_ids_and_decode_cuts_at_any(tmp_path):
     ids = loaded.encode("13+4", add_bos=False)
     assert loaded.decode(ids + [TURN_END] + loaded.encode("99", add_bos=False)) == "13+4"
     assert tok.decode(ids + [TURN_END]) != "13+4"  # without the folder's list, 5 is an ordinary token
-
-
-def test_vllm_engine_adds_generation_config_eos_ids(tmp_path):
-    from fp8rl_core.engines.vllm_gen import with_generation_eos
-
-    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 2]}))
-    cfg = ModelConfig(eos_token_id=2)
-    assert with_generation_eos(cfg, str(tmp_path)).eos_ids == (2, 151645)
-    assert with_generation_eos(cfg, None) is cfg
