@@ -10,7 +10,9 @@ Blockwise-FP8 numerics speed, every number measured in this one run against a ba
      the fused C kernel (`fused`, the CPU default) and, with --compile on, torch.compile'd kernels;
   2. Fp8Linear forward + backward at M tokens (2048), K = N in a list (256, 1024), vs nn.Linear in FP32
      (the floor of an exact CPU emulation: FP32 GEMMs; ratio = time / FP32 time, goal <= 1.25) and, with
-     --bf16 (always on CUDA), in BF16, with TFLOP/s (3 GEMMs of 2*M*N*K each). The weight is re-quantized
+     --bf16 (always on CUDA), in BF16, with TFLOP/s (3 GEMMs of 2*M*N*K each); Fp8Linear with BF16
+     activations (the BF16 training case) and, `fp32 act`, FP32 ones (model.dtype fp32: the study's setting
+     on a CPU without BF16 hardware, no casts around the layer, as the FP32 baseline). The weight is re-quantized
      in every timed step (`invalidate()`): the most that once per optimizer step costs; `reference` runs
      the pure-torch quantizer (FP8RL_FUSED=0).
 """
@@ -113,6 +115,9 @@ def linear_rows(m: int, sizes: list[int], repeats: int, device: torch.device, ex
         if with_bf16:  # off by default: without AVX512-BF16/AMX, CPU BF16 GEMMs run ~20-35x slower than FP32
             cases["bf16"] = step_case(nn.Linear(k, k, device=device, dtype=torch.bfloat16), x, dy)
         cases.update({f"{name}, {mode}": step_case(fp8, x, dy, name, mode) for name in executors for mode in modes})
+        # FP32 activations: model.dtype fp32, the study's setting on a CPU without BF16 hardware
+        cases.update({f"{name}, {mode}, fp32 act": step_case(fp8, x32, dy32, name, mode) for name in executors
+                      for mode in modes[1:]})
         t = best_times(cases, repeats, device)
         for name in cases:
             label = f"nn.Linear {name}" if name in ("fp32", "bf16") else f"Fp8Linear [{name}]"

@@ -2,7 +2,7 @@
 
 Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--prompts 16] [--group 8] [--max-new-tokens 8]
            [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e fp32] [--before]
-           [--trl-bf16 | --no-trl-bf16] [--no-trl] [--clock wall|cpu] [--warmstart-steps N]
+           [--trl-bf16 | --no-trl-bf16] [--no-trl] [--clock wall|cpu] [--warmstart-steps N] [--dtype bf16|fp32]
            [--cache-dir .fp8rl/warmstart]
 Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`)
 
@@ -30,8 +30,11 @@ tokens/s = their sum / the sum of step times; reward = mean exact-match reward (
 solve the same task with the same model); TRL/ours = TRL s/step / ours.
 Rows of ours: one per `--recipes` entry; `fp32` is the bf16 recipe with both engines in plain FP32
 (model.dtype=fp32: no autocast, no quantization), the floor of the CPU's exact FP8 emulation (its GEMMs
-are FP32). `--before` adds `fp8_gen` / `fp8_e2e` rows with the pure-torch quantizer and no weight cache
-(FP8RL_FUSED=0 FP8RL_WEIGHT_CACHE=0: the code paths before issue 16), measured in the same run.
+are FP32). `--dtype fp32` runs every recipe with model.dtype=fp32, the study's setting on a CPU without
+BF16 hardware (AVX2 only: torch's BF16 matmuls there are 10-30x slower than FP32): the bf16 recipe is then
+the fp32 floor, and `--no-trl-bf16` gives TRL the same precision. `--before` adds `fp8_gen` / `fp8_e2e`
+rows with the pure-torch quantizer and no weight cache (FP8RL_FUSED=0 FP8RL_WEIGHT_CACHE=0: the code paths
+before issue 16), measured in the same run.
 The goals of issue 16 are printed under the table, each with its floor and ratio.
 The machine's 2 cores are shared with other jobs: the load average is printed before and after. Under
 such load, 2 OpenMP threads per process can run several times slower than 1 (threads spin at barriers
@@ -64,7 +67,8 @@ BEFORE_ENV = {"FP8RL_FUSED": "0", "FP8RL_WEIGHT_CACHE": "0"}  # the quantization
 def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
     """`fp32`: the bf16 recipe with model.dtype=fp32 (both engines FP32); `<recipe> before`: the recipe."""
     recipe = recipe.removesuffix(" before")
-    dtype = ["recipe=bf16", "model.dtype=fp32"] if recipe == "fp32" else [f"recipe={recipe}"]
+    fp32 = recipe == "fp32"
+    dtype = ["recipe=bf16", "model.dtype=fp32"] if fp32 else [f"recipe={recipe}", f"model.dtype={args.dtype}"]
     overrides = [*dtype, f"threads={args.threads}", "device=cpu",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
                  f"rollout.max_new_tokens={args.max_new_tokens}", f"warmstart.cache_dir={args.cache_dir}"]
@@ -228,10 +232,13 @@ def row(name: str, r: dict[str, Any], baseline: float | None) -> str:
     return f"{name:<20} {s:>9.3f} {gen:>8.3f} {rest:>9.3f} {tokens:>7.0f} {tok_s:>9.0f} {reward:>7.3f} {ratio}"
 
 
-def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None) -> None:
-    """Issue 16's step goals: ratio, goal, and the floor each ratio is taken against."""
+def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None, dtype: str = "bf16") -> None:
+    """Issue 16's step goals: ratio, goal, and the floor each ratio is taken against. With --dtype fp32
+    the bf16 recipe runs in plain FP32, so it is the fp32 floor."""
     step = {k: statistics.median(r["times"]) for k, r in ours.items()}
     gen = {k: statistics.median(r["gen"]) for k, r in ours.items()}
+    if dtype == "fp32" and "bf16" in step and "fp32" not in step:
+        step["fp32"], gen["fp32"] = step["bf16"], gen["bf16"]
     lines = []
     if "bf16" in step and trl_r:
         trl = statistics.median(trl_r["times"])
@@ -258,6 +265,9 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e", "fp32"],
                     help="recipes, and fp32 (both engines FP32, no quantization)")
     ap.add_argument("--before", action="store_true", help="add fp8 rows without issue 16's changes")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="model.dtype of every recipe: fp32 is the study's setting on CPUs without BF16 "
+                         "hardware (then the bf16 recipe is the fp32 floor; pair with --no-trl-bf16)")
     ap.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True, help="run TRL (default)")
     ap.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=True,
                     help="TRL with BF16 autocast (default) or FP32")
@@ -289,7 +299,7 @@ def main() -> None:
         print(row(f"TRL {'bf16' if args.trl_bf16 else 'fp32'}", trl_r, base))
     for recipe, r in ours.items():
         print(row(f"ours {recipe}", r, base))
-    print_goals(ours, trl_r)
+    print_goals(ours, trl_r, args.dtype)
     print(f"load average (1, 5, 15 min): before {tuple(round(x, 2) for x in load0)}, "
           f"after {tuple(round(x, 2) for x in os.getloadavg())}")
 

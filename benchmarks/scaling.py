@@ -10,6 +10,8 @@ rank) from a random-init model folder (no warm start). `--variants`: comma lists
 overrides, each measured at W > 1 against one W = 1 run per recipe ("" = the defaults). Reported per row:
   tokens/s     median over steps 2.. of the run's `tokens_per_s` (global: all ranks' response tokens
                per second of step wall time); efficiency = tokens/s(W) / (W x tokens/s(1))
+  step/gen/train s  medians of the step's wall time, its generation (the slowest rank's) and its
+               training + refit time (train_time_s): where a W > 1 step loses its time
   peak_rss     the largest rank's peak RSS (ru_maxrss of torchrun's children), MiB
   param+optim  bytes of this rank's parameters + AdamW states after one step, measured on the
                sharded trainer (FSDP2 at W > 1), and the memory plan's figure for the same
@@ -57,9 +59,9 @@ def model_folder(name: str, root: Path) -> Path:
 def run_cell(model: Path, recipe: str, world: int, steps: int, out: Path, extra: tuple[str, ...] = ()
              ) -> dict[str, float]:
     """One torchrun run; its median tokens/s (steps 2..) and the largest rank's peak RSS in MiB."""
-    overrides = [*extra, f"model.path={model}", f"recipe={recipe}", f"output_dir={out}", f"train.steps={steps}",
+    overrides = [f"model.path={model}", f"recipe={recipe}", f"output_dir={out}", f"train.steps={steps}",
                  "train.val_every=100000", "train.val_samples=0", "task.val_size=4", "threads=1",
-                 "train.checkpoint_every=100000", *ROLLOUT]
+                 "train.checkpoint_every=100000", *ROLLOUT, *extra]  # extra last: --set may change the rollout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "fp8rl_core.cli", "--no-progress", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -70,9 +72,12 @@ def run_cell(model: Path, recipe: str, world: int, steps: int, out: Path, extra:
                " print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     done = subprocess.run([sys.executable, "-c", wrapper, *cmd], check=True, env=env, capture_output=True, text=True)
     peak_kib = int(done.stdout.strip().splitlines()[-1])
-    rates = [rec["values"]["tokens_per_s"] for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    steps = [rec["values"] for rec in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
              if rec.get("kind") == "metrics" and rec["step"] >= 2 and "tokens_per_s" in rec["values"]]
-    return {"tokens_per_s": statistics.median(rates), "peak_rss_mib": peak_kib / 1024}
+    med = lambda f: statistics.median(f(v) for v in steps)  # noqa: E731
+    gen_s = med(lambda v: v["step_time_s"] * v["tokens_per_s"] / v["generation_tokens_per_s"])
+    return {"tokens_per_s": med(lambda v: v["tokens_per_s"]), "peak_rss_mib": peak_kib / 1024,
+            "step_s": med(lambda v: v["step_time_s"]), "gen_s": gen_s, "train_s": med(lambda v: v["train_time_s"])}
 
 
 def _state_bytes_worker(rank: int, world: int, port: int, name: str, out: str) -> None:
@@ -179,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                     help='comma lists of run-config overrides measured at W > 1 ("" = defaults)')
     args = ap.parse_args(argv)
     root = Path(args.workdir or tempfile.mkdtemp(prefix="fp8rl-scaling-"))
-    print("| model | recipe | W | overrides | tokens/s | efficiency | peak RSS/rank MiB "
+    print("| model | recipe | W | overrides | tokens/s | efficiency | step s | gen s | train s | peak RSS/rank MiB "
           "| param+optim/rank MiB (plan) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     variants = [tuple(v for v in text.split(",") if v) for text in args.variants]
     if args.common:
         print(f"every run: {' '.join(args.common)}")
@@ -198,17 +203,18 @@ def main(argv: list[str] | None = None) -> int:
                     base = base or r["tokens_per_s"] / w
                     eff = r["tokens_per_s"] / (w * base)
                     print(f"| {name} | {recipe} | {w} | {' '.join(extra) or '-'} | {r['tokens_per_s']:.0f} | {eff:.2f} "
+                          f"| {r['step_s']:.2f} | {r['gen_s']:.2f} | {r['train_s']:.2f} "
                           f"| {r['peak_rss_mib']:.0f} | {states[w] / 2**20:.1f} "
                           f"({planned_state_bytes(name, w) / 2**20:.1f}) |", flush=True)
         if len(args.worlds) > 1:
             w0, w1 = args.worlds[0], args.worlds[1]
-            print(f"|  | param+optim ratio W={w1}/W={w0} | | | | | | {states[w1] / states[w0]:.2f} |")
+            print(f"|  | param+optim ratio W={w1}/W={w0} | | | | | | | | | {states[w1] / states[w0]:.2f} |")
             gather, scatter = collective_seconds(name, w1)
             print(f"\nfloor at W={w1} ({name}): one all-gather of the FP32 model {gather * 1e3:.0f} ms, one "
                   f"reduce-scatter {scatter * 1e3:.0f} ms (gloo, this machine). Per step FSDP2 runs, per "
-                  "micro-batch, 2 all-gathers (forward, backward) + 1 reduce-scatter by default, 1 + 0 with "
-                  "reshard_after_forward=false and grad_reduce=step (+1 reduce-scatter per step), plus 1 "
-                  "all-gather per log-prob pass and per refit.")
+                  "micro-batch, 2 all-gathers (forward, backward) + 1 reduce-scatter by default; with "
+                  "reshard_after_forward=false and grad_reduce=step, 1 all-gather + 1 reduce-scatter per step; "
+                  "plus 1 all-gather per log-prob pass and per refit.")
     return 0
 
 

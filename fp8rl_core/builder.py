@@ -111,6 +111,25 @@ def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank
                                   dtype=compute_dtype(cfg), device=device, seed=rank_seed(cfg.seed, rank))
 
 
+def build_trainers(cfg: RunConfig, path: Path, device: str, mesh: Mesh) -> tuple[Any, Any]:
+    """(training engine, reference policy or None: kl_coef 0) on the weights of `path`."""
+    train = build_training_engine(cfg, path, device, mesh)
+    return train, build_reference(cfg, path, device, mesh) if cfg.loss.kl_coef > 0 else None
+
+
+def build_engines(cfg: RunConfig, path: Path, model_config: Any, device: str, mesh: Mesh) -> tuple[Any, Any, Any]:
+    """(generation, training, reference or None) engines; the caller refits the first from the second.
+
+    vLLM starts first, on `path`, and sleeps: its start-up free-memory check must run before the
+    trainer's FP32 master weights take the GPU (VllmGenerationEngine.start). Native: as it always was."""
+    if cfg.engines.generation == "vllm":
+        gen = build_generation_engine(cfg, model_config, device, mesh.rank)
+        gen.start(path)
+        return (gen, *build_trainers(cfg, path, device, mesh))
+    train, ref = build_trainers(cfg, path, device, mesh)
+    return build_generation_engine(cfg, model_config, device, mesh.rank), train, ref
+
+
 def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = None) -> RunContext:
     """Everything one rank of the run needs. mesh None: join the launcher's process group
     (fp8rl_core.distributed.init_distributed; world size 1 without one)."""
@@ -134,9 +153,7 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     from fp8rl_core.model.hf_io import read_model_config
 
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
-    train = build_training_engine(cfg, path, device, mesh)
-    ref = build_reference(cfg, path, device, mesh) if cfg.loss.kl_coef > 0 else None
-    gen = build_generation_engine(cfg, model_config, device, mesh.rank)
+    gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
     gen.refit(train.weights())
     return RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                       data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),

@@ -231,8 +231,8 @@ class ParallelSpec:
     # when sharded gradients are reduce-scattered: after every micro-batch ("micro_batch": they stay
     # sharded) or once per optimizer step ("step": fewer collectives, a full gradient per rank meanwhile)
     grad_reduce: Literal["micro_batch", "step"] = "micro_batch"
-    # keep each block's gathered weights from forward to backward: one all-gather less per micro-batch,
-    # a full weight copy per rank during the step
+    # false: keep each block's gathered weights from the step's first forward to its last backward: one
+    # all-gather per block and step instead of two per micro-batch, a full weight copy per rank meanwhile
     reshard_after_forward: bool = True
 
     def validate(self) -> None:

@@ -33,7 +33,7 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
           of one linear: dequantized input and FP32 output)
       fsdp (W > 1) = 12 N_blk + 8 N_root  two unsharded blocks in flight + one block's unsharded grads,
           and the root group (embeddings, final norm, head) unsharded with its grads;
-          parallel.reshard_after_forward false: every block's gathered weights stay until its backward,
+          parallel.reshard_after_forward false: every block's gathered weights stay until the step's last backward,
           + 4 N_blk x (L - 2) in the logprobs and training phases
       parallel.grad_reduce step (W > 1): gradients accumulate unsharded over the micro-batches, so the
           training phase holds all of them beside the saved tensors: grads = 4 N, not max(4 N / W, saved)
@@ -205,7 +205,7 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
     gen_lin = p.block_linear
     gen_weights = (gen_lin + 2 * (p.total - gen_lin)) if lay.fp8_generation else 2 * p.total
     fsdp = {"fsdp_unsharded": 12 * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
-    if fsdp and not lay.reshard_after_forward:  # every block gathered from its forward to its backward
+    if fsdp and not lay.reshard_after_forward:  # every block gathered from its first forward to the last backward
         fsdp["fsdp_kept_gathered"] = 4 * p.block * max(cfg.num_hidden_layers - 2, 0)
     rows = lay.rows_per_rank
     kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2

@@ -44,8 +44,9 @@ def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_
     cpu_offload: parameters, gradients and optimizer state live on the CPU between uses
     (CPUOffloadPolicy); the optimizer then steps on the CPU. sum_gradients: reduce-scatter sums
     (divide factor 1) instead of FSDP's mean (see the module docstring). reshard_after_forward:
-    False keeps every block's gathered weights until its backward (one all-gather less per
-    micro-batch; each rank then holds the full weights during the step).
+    False keeps every block's gathered weights for the step (the engine keeps them across its
+    micro-batches too: one all-gather per step; each rank then holds the full weights during the
+    step), and with them Fp8Linear's cached Q(W): each weight quantized once per step, not per forward.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
@@ -53,7 +54,8 @@ def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_
         raise ValueError("shard_model: needs world size > 1 (a single process trains unsharded)")
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kw = {"mesh": mesh.device_mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload}
-    _no_weight_cache(model)
+    if reshard_after_forward:
+        _no_weight_cache(model)
     modules = [fully_shard(layer, **kw) for layer in model.model.layers]
     modules.append(fully_shard(model, **kw))
     if sum_gradients:
@@ -64,9 +66,11 @@ def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_
 
 
 def _no_weight_cache(model: nn.Module) -> None:
-    """Fp8Linear keeps Q(W) between forwards; under FSDP2 that would pin every layer's gathered,
-    quantized weight on every rank for the whole step (the full model per rank, which sharding exists
-    to avoid), so sharded layers quantize per forward instead (same bits)."""
+    """Fp8Linear keeps Q(W) between forwards; under FSDP2 with resharding that would pin every layer's
+    gathered, quantized weight on every rank between micro-batches (the full model per rank, which
+    resharding exists to avoid; each re-gather would miss the cache anyway), so sharded layers quantize
+    per forward instead (same bits). Without resharding the weights stay gathered for the step and
+    every layer's Q(W) is alive from its forward to its backward anyway: keeping it costs no peak."""
     from fp8rl_core.fp8.linear import Fp8Linear
 
     for m in model.modules():

@@ -93,8 +93,10 @@ class NativeTrainingEngine:
     grad_reduce:  sharded only: "micro_batch" reduce-scatters after every micro-batch's backward
                   (gradients stay sharded); "step" only after the last one (one collective per step,
                   but each rank accumulates the full unsharded gradient in between).
-    reshard_after_forward: sharded only: False keeps each block's gathered weights from forward to
-                  backward (one all-gather per micro-batch instead of two; a full weight copy per rank).
+    reshard_after_forward: sharded only: False keeps each block's gathered weights from the step's
+                  first forward to its last backward (FSDP2's set_reshard_after_backward between
+                  micro-batches): one all-gather per step instead of two per micro-batch, for a full
+                  weight copy per rank (which every forward reaches anyway).
     One `train_step` is one optimizer step; the caller splits a rollout batch into micro-steps.
     """
 
@@ -119,7 +121,7 @@ class NativeTrainingEngine:
         self.mesh = mesh or SINGLE
         self.micro_batch_size, self.logprob_batch_size = int(micro_batch_size), int(logprob_batch_size)
         self._device = next(model.parameters()).device  # the compute device (shards may be offloaded)
-        self.grad_reduce = grad_reduce
+        self.grad_reduce, self.reshard_after_forward = grad_reduce, bool(reshard_after_forward)
         _parallelize(model, self.mesh, cpu_offload, activation_checkpointing, reshard_after_forward)
         o = self.optim_spec
         self.params = list(model.parameters())  # tied weights appear once; DTensor shards when sharded
@@ -238,9 +240,15 @@ class NativeTrainingEngine:
         return out, self._clip_and_step(out["loss"])
 
     def _sync_gradients(self, last: bool) -> None:
-        """grad_reduce "step": FSDP2 skips the reduce-scatter of every backward but the step's last."""
-        if self.mesh.distributed and self.grad_reduce == "step":
+        """Before each micro-batch's backward. grad_reduce "step": FSDP2 skips the reduce-scatter of every
+        backward but the step's last. reshard_after_forward False: nor does it reshard the weights after
+        them, so the next micro-batch's forward finds them gathered (no all-gather until the next step)."""
+        if not self.mesh.distributed:
+            return
+        if self.grad_reduce == "step":
             self.model.set_requires_gradient_sync(last)
+        if not self.reshard_after_forward:
+            self.model.set_reshard_after_backward(last)
 
     def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                  attention_mask: torch.Tensor | None = None) -> dict[str, float]:
@@ -278,6 +286,9 @@ class NativeTrainingEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self.mesh.distributed:  # a sharded step's cached Q(W) (reshard_after_forward false) is stale: free it
+            for name in self.fp8_modules:
+                self.model.get_submodule(name).invalidate()
         return norm
 
     def weights(self) -> Mapping[str, torch.Tensor]:

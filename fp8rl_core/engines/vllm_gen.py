@@ -3,8 +3,9 @@
 What it does (the pure decisions live in vllm_convert.py, tested on a CPU):
 1) construction checks that vLLM and a CUDA GPU are there (else a RuntimeError naming the fix) and
    builds nothing else: the engine has no weights yet;
-2) the first `refit(weights)` writes the trainer's weights as an HF checkpoint under
-   `<output_dir>/vllm_checkpoint` (blockwise FP8 `weight` + `weight_scale_inv` for FP8 recipes) and
+2) `start(model_dir)` (the builder, before the trainer exists) or else the first `refit(weights)` writes
+   the weights as an HF checkpoint under `<output_dir>/vllm_checkpoint` (blockwise FP8 `weight` +
+   `weight_scale_inv` for FP8 recipes; `start` uses a plain BF16/FP32 folder as it is) and
    starts `vllm.LLM` on it, in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless set otherwise,
    so that worker calls and tensors need no serialization), with NeMo RL's FP8 quantization_config
    as an hf_override and logprobs_mode="processed_logprobs" where vLLM has it;
@@ -110,23 +111,49 @@ class VllmGenerationEngine:
         return self.config.pad_id
 
     # ---- weights -------------------------------------------------------------------------------
+    def start(self, model_dir: str | Path) -> None:
+        """Start vLLM on the HF checkpoint folder `model_dir` before the trainer is built, then sleep
+        (level 1, when engines.vllm.sleep_between_steps) so that the trainer gets the GPU.
+
+        Why: vLLM's start-up check wants gpu_memory_utilization x the GPU's memory free; once the
+        trainer's FP32 master weights are on the card it may not be (an 80 GB GPU). NeMo RL and verl
+        colocate the same way: inference engine first, asleep while the trainer loads. The next
+        `refit(weights)` wakes the weights and reloads the trainer's. FP8 recipes (and an FP8
+        `model_dir`) go through the refit's checkpoint writer; a plain folder is used as it is."""
+        if self.llm is not None:
+            raise RuntimeError("VllmGenerationEngine.start: vLLM is already running; use refit(weights)")
+        self._launch(self._start_folder(Path(model_dir)))
+        self.sleep()
+
+    def _start_folder(self, model_dir: Path) -> Path:
+        """The folder vLLM starts on: model_dir itself unless it must be written in our FP8 format."""
+        from fp8rl_core.model import load_pretrained
+        from fp8rl_core.model.hf_io import read_hf_config
+
+        if not self.fp8 and not read_hf_config(model_dir).get("quantization_config"):
+            return model_dir  # no copy of the weights: vLLM casts to model.dtype itself
+        return self._write_checkpoint(load_pretrained(model_dir, dtype=self.dtype).state_dict())
+
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """First call: checkpoint + start vLLM on it. Later calls: wake the weights if asleep, reload
-        into the running engine."""
+        """First call without `start`: checkpoint + start vLLM on it. Later calls (and the first one
+        after `start`): wake the weights if asleep, reload into the running engine."""
         self._wake("weights")
         if self.llm is None:
-            self._start(weights)
+            self._launch(self._write_checkpoint(weights))
             if self.fp8 and self.fp8_spec.power_of_two_scales:
                 self._reload(weights)  # the checkpoint's scales are plain amax/448 ones
             return
         self._reload(weights)
 
-    def _start(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def _write_checkpoint(self, weights: Mapping[str, torch.Tensor]) -> Path:
+        return conv.write_checkpoint(weights, self.config, self.checkpoint_dir, fp8=self.fp8,
+                                     spec=self.fp8_spec, dtype=self.dtype)
+
+    def _launch(self, path: Path) -> None:
+        """vllm.LLM on the checkpoint folder `path`, after the free-memory check."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import vllm
 
-        path = conv.write_checkpoint(weights, self.config, self.checkpoint_dir, fp8=self.fp8,
-                                     spec=self.fp8_spec, dtype=self.dtype)
         supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
         self.max_model_len = conv.resolve_max_model_len(
             self.spec, self._longest_prompt() if self.spec.max_model_len is None else 0,

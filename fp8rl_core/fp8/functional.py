@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from fp8rl_core.fp8 import fused_cpu
+from fp8rl_core.fp8.emulate import ieee_fp32_matmul
 from fp8rl_core.fp8.gemm import scaled_mm, select_executor
 from fp8rl_core.fp8.operand import Operand
 from fp8rl_core.fp8.quant import as_2d, quantize_2d
@@ -47,10 +49,12 @@ def needs_dequant(device: torch.device) -> bool:
 def quantize_operand(
     x2: torch.Tensor, block: tuple[int, int], *, power_of_two: bool, check_finite: bool, name: str
 ) -> Operand:
-    """Quantize a 2-D tensor into an Operand (with its FP32 dequantized copy when the executor wants it)."""
+    """Quantize a 2-D tensor into an Operand: the emulated executor wants its FP32 dequantized copy
+    (and no E4M3 codes: q None where the fused kernel skipped them), the others the codes."""
+    emulated = needs_dequant(x2.device)
     q, scale, deq = quantize_2d(
         x2, block, power_of_two=power_of_two, check_finite=check_finite, name=name,
-        want_dequant=needs_dequant(x2.device),
+        want_dequant=emulated, want_q=not emulated,
     )
     return Operand(q, scale, block, deq)
 
@@ -59,9 +63,11 @@ def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_
     """Quantize a [N, K] weight into [128, 128] blocks (done once per refit). Non-finite weights raise."""
     if w.dim() != 2:
         raise ValueError(f"weight: expected a 2-D [out_features, in_features] tensor, got shape {tuple(w.shape)}")
-    op = quantize_operand(w.detach(), WEIGHT_BLOCK, power_of_two=power_of_two, check_finite=True, name="weight")
+    w = w.detach()
+    q, scale, deq = quantize_2d(w, WEIGHT_BLOCK, power_of_two=power_of_two, check_finite=True, name="weight",
+                                want_dequant=needs_dequant(w.device))  # the codes always: refit, checkpoints
     b = None if bias is None else bias.detach()
-    return Fp8Weight(op.q, op.scale, b, w.shape[0], w.shape[1], op.deq)
+    return Fp8Weight(q, scale, b, w.shape[0], w.shape[1], deq)
 
 
 def linear_from_operands(x_op: Operand, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
@@ -82,6 +88,25 @@ def fp8_linear(
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x: last dim {x.shape[-1]} != in_features {w.in_features}")
     with torch.no_grad():
-        x_op = quantize_operand(as_2d(x), ACT_BLOCK, power_of_two=power_of_two, check_finite=check_finite, name="x")
-        y = linear_from_operands(x_op, w, x.dtype)
+        y = _emulated_cpu_linear(as_2d(x), w, power_of_two)
+        if y is None:
+            x_op = quantize_operand(as_2d(x), ACT_BLOCK, power_of_two=power_of_two, check_finite=check_finite, name="x")
+            y = linear_from_operands(x_op, w, x.dtype)
     return y.reshape(*x.shape[:-1], w.out_features)
+
+
+def _emulated_cpu_linear(x2: torch.Tensor, w: Fp8Weight, power_of_two: bool) -> torch.Tensor | None:
+    """The same arithmetic as the general path (fused quantizer's dequantized x, one FP32 GEMM with the
+    kept dequantized weight, FP32 bias, cast), without its dispatch: at decode (M = batch rows) the
+    general path's Python costs as much as the GEMM. None where it does not apply (not the CPU
+    emulation, or a block the fused kernel declines: the caller takes the general path, which raises)."""
+    if w.dequantized is None or x2.device.type != "cpu" or not needs_dequant(x2.device):
+        return None
+    fused = fused_cpu.quantize(x2, ACT_BLOCK, power_of_two, want_dequant=True, want_q=False)
+    if fused is None:
+        return None
+    with ieee_fp32_matmul("cpu"):
+        y = torch.mm(fused[2], w.dequantized.t())
+    if w.bias is not None:
+        y += w.bias.to(torch.float32)
+    return y.to(x2.dtype)

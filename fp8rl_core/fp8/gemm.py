@@ -92,7 +92,7 @@ def blockwise_scaled_mm(
 
 def scaled_mm(a: Operand, b: Operand, *, out_dtype: torch.dtype, executor: str | None = None) -> torch.Tensor:
     """blockwise_scaled_mm on validated Operands (the entry used inside the package)."""
-    name = select_executor(a.q.device, executor)
+    name = select_executor(a.scale.device, executor)
     if name in ("emulated", "emulated_blockwise"):
         from fp8rl_core.fp8 import emulate
 

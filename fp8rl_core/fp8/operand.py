@@ -14,9 +14,10 @@ class Operand:
 
     deq, when the quantizer already produced it, is the FP32 dequantized copy q * scale [R, K]
     (the emulated executor's input; computing it inside the quantizer's pass saves a float8 decode).
+    q is None for an activation quantized for the emulated executor, which reads deq only.
     """
 
-    q: torch.Tensor
+    q: torch.Tensor | None
     scale: torch.Tensor
     block: tuple[int, int]
     deq: torch.Tensor | None = None
@@ -24,7 +25,8 @@ class Operand:
     def t(self) -> Operand:
         """The transposed operand (views, no copies): [K, R] with the block grid transposed."""
         deq = None if self.deq is None else self.deq.t()
-        return Operand(self.q.t(), self.scale.t(), (self.block[1], self.block[0]), deq)
+        q = None if self.q is None else self.q.t()
+        return Operand(q, self.scale.t(), (self.block[1], self.block[0]), deq)
 
     def dequantized(self) -> torch.Tensor:
         """deq, or q * scale computed now (FP32 [R, K])."""

@@ -80,16 +80,18 @@ def from_blocks(xb: torch.Tensor, m: int, n: int) -> torch.Tensor:
 
 
 def quantize_2d(
-    x2: torch.Tensor, block: Block, *, power_of_two: bool, check_finite: bool, name: str, want_dequant: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """quantize_blockwise on a 2-D [M, N] x2, optionally also returning deq = q * scale in FP32 [M, N]."""
+    x2: torch.Tensor, block: Block, *, power_of_two: bool, check_finite: bool, name: str, want_dequant: bool,
+    want_q: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """quantize_blockwise on a 2-D [M, N] x2, optionally also returning deq = q * scale in FP32 [M, N].
+    want_q False (with want_dequant): q may come back None (the fused kernel then skips its bytes)."""
     if x2.dtype not in _INPUT_DTYPES:
         raise ValueError(f"{name}: dtype {x2.dtype} not supported; allowed: float32, bfloat16, float16")
     (m, n), block = x2.shape, check_block(block)
     x2 = x2.detach()  # quantization is not differentiated (Fp8Linear defines its own backward)
     # the fused CPU kernel gives the reference's bits; it declines (None) non-finite blocks, so the
     # finiteness check below only ever sees the reference's scales
-    fused = None if compile_enabled() else fused_cpu.quantize(x2, block, power_of_two, want_dequant)
+    fused = None if compile_enabled() else fused_cpu.quantize(x2, block, power_of_two, want_dequant, want_q=want_q)
     if fused is not None:
         return fused
     qb, scale, deqb = kernel(quantize_blocks)(to_blocks(x2, block), power_of_two, want_dequant)

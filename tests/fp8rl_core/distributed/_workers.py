@@ -70,11 +70,43 @@ def count_collectives():
             setattr(dist, name, fn)
 
 
+@contextlib.contextmanager
+def count_weight_quantizations():
+    """[calls] of Fp8Linear's Q(W) (fp8rl_core.fp8.linear.quantize_weight) inside the block."""
+    from fp8rl_core.fp8 import linear
+
+    calls, saved = [0], linear.quantize_weight
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return saved(*args, **kw)
+
+    linear.quantize_weight = counted
+    try:
+        yield calls
+    finally:
+        linear.quantize_weight = saved
+
+
 def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_size: int = 0,
                logprob_batch_size: int = 0, reuse: bool = False, cpu_offload: bool = False,
                activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
-               reshard_after_forward: bool = True) -> dict:
-    """This rank's rows of global_batch(), one engine step; returns global metrics and the weight update."""
+               reshard_after_forward: bool = True, weight_cache: bool = True) -> dict:
+    """This rank's rows of global_batch(), one engine step; returns global metrics and the weight update.
+    weight_cache False: FP8RL_WEIGHT_CACHE=0 for the step (Q(W) at every forward, the reference)."""
+    import os
+
+    old = os.environ.get("FP8RL_WEIGHT_CACHE")
+    os.environ["FP8RL_WEIGHT_CACHE"] = "1" if weight_cache else "0"
+    try:
+        return _train_step(mesh, recipe, compute, micro_batch_size, logprob_batch_size, reuse, cpu_offload,
+                           activation_checkpointing, grad_reduce, reshard_after_forward)
+    finally:
+        os.environ.pop("FP8RL_WEIGHT_CACHE") if old is None else os.environ.__setitem__("FP8RL_WEIGHT_CACHE", old)
+
+
+def _train_step(mesh, recipe, compute, micro_batch_size, logprob_batch_size, reuse, cpu_offload,
+                activation_checkpointing, grad_reduce, reshard_after_forward) -> dict:
     torch.manual_seed(0)
     engine = NativeTrainingEngine(build_model(CFG), fp8_training=recipe == "fp8_e2e", loss=LOSS, optim=OPTIM,
                                   compute_dtype=torch.bfloat16 if compute == "bf16" else torch.float32,
@@ -84,10 +116,11 @@ def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_si
     rows = torch.tensor(list(mesh.shard(B, "rows")))
     batch = global_batch().select(rows)
     before = _full_weights(engine)
-    if not reuse:
-        batch.old_logprobs = engine.logprobs(batch)
-        batch.is_weights = _importance(batch)
-    with count_collectives() as calls:
+    # counted over the whole step: the log-prob pass (when not reused) and training
+    with count_weight_quantizations() as quants, count_collectives() as calls:
+        if not reuse:
+            batch.old_logprobs = engine.logprobs(batch)
+            batch.is_weights = _importance(batch)
         metrics = engine.train_step(batch, importance=_importance if reuse else None)
     old = engine.last_old_logprobs
     isw = compute_importance(old, batch.gen_logprobs, batch.response_mask, "tis")
@@ -102,7 +135,7 @@ def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_si
     return {"metrics": metrics, "stats": stats, "delta": {k: after[k] - before[k] for k in after},
             "old_logprobs": old, "is_weights": engine.last_is_weights, "rows": rows,
             "mean_of_means": mean_of_means, "local_param_numel": local, "refit_equal": refit_equal,
-            "collectives": dict(calls)}
+            "collectives": dict(calls), "weight_quants": quants[0], "fp8_layers": len(engine.fp8_modules)}
 
 
 def _refit_from_shards_is_exact(engine: NativeTrainingEngine) -> bool:

@@ -458,6 +458,114 @@ def test_engine_refuses_fp8_with_fp32_activations(fake_vllm, tmp_path):
         VllmGenerationEngine(cfg, ODD)
 
 
+# ---- colocation order: vLLM starts before the trainer takes the GPU (issue 13) ----------------------
+def _checkpoint(tmp_path):
+    from fp8rl_core.model import build_model, save_pretrained
+
+    torch.manual_seed(0)
+    return save_pretrained(build_model(ODD), tmp_path / "init")
+
+
+class FakeTrainer:
+    """Stands in for the training engine / reference policy: what the builder calls on them."""
+
+    def __init__(self, path):
+        from fp8rl_core.model import load_pretrained
+
+        self.state = load_pretrained(path).state_dict()
+
+    def weights(self):
+        return self.state
+
+
+def _record_builds(monkeypatch, events, llms):
+    """Patch the builder's trainer/reference builders to log (what, the LLMs' events at that time)."""
+    import fp8rl_core.builder as builder
+
+    def fake(what):
+        def build(cfg, path, device, mesh=None):
+            events.append((what, [list(llm.events) for llm in llms]))
+            return FakeTrainer(path)
+        return build
+
+    monkeypatch.setattr(builder, "build_training_engine", fake("train"))
+    monkeypatch.setattr(builder, "build_reference", fake("ref"))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_gen"])
+@pytest.mark.parametrize("sleep", [True, False])
+def test_builder_starts_vllm_before_the_trainer(fake_vllm, monkeypatch, tmp_path, recipe, sleep):
+    from fp8rl_core.builder import build_context
+    from fp8rl_core.distributed.mesh import SINGLE
+
+    path = _checkpoint(tmp_path)
+    cfg = run_config_from_dict({"recipe": recipe, "output_dir": str(tmp_path / "out"), "device": "cpu",
+                                "model": {"path": str(path), "dtype": "bf16"}, "loss": {"kl_coef": 0.1},
+                                "engines": {"generation": "vllm", "vllm": {"sleep_between_steps": sleep}}})
+    events: list = []
+    _record_builds(monkeypatch, events, fake_vllm)
+    ctx = build_context(cfg, progress=False, mesh=SINGLE)
+    asleep = [("sleep", 1)] if sleep else []
+    # one LLM, already built (and asleep when colocated) when the trainer and the reference are built
+    assert events == [("train", [asleep]), ("ref", [asleep])]
+    (llm,) = fake_vllm
+    # FP8: the refit's checkpoint writer converts the initial weights; BF16: vLLM reads the folder as it is
+    folder = tmp_path / "out" / "vllm_checkpoint" if recipe == "fp8_gen" else path
+    assert llm.kwargs["model"] == str(folder)
+    assert ("quantization_config" in json.loads((folder / "config.json").read_text())) == (recipe == "fp8_gen")
+    assert ctx.gen.llm is llm and ctx.train.weights() is not None
+
+
+def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+
+    path = _checkpoint(tmp_path)
+    cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path / "out"),
+                                "engines": {"generation": "vllm"}})
+    engine = VllmGenerationEngine(cfg, ODD)
+    engine.start(path)
+    (llm,) = fake_vllm
+    assert llm.events == [("sleep", 1)] and engine.asleep == {"weights", "kv_cache"}
+    engine.refit(random_weights(ODD, seed=3))
+    assert len(fake_vllm) == 1  # the running engine, no second vllm.LLM
+    assert llm.events == [("sleep", 1), ("wake_up", ("weights",)), ("reload",)] and llm.resets == 1
+    (sent,) = llm.reloads
+    assert sent["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert engine.asleep == {"kv_cache"}  # woken by the next generate
+    with pytest.raises(RuntimeError, match="already running"):
+        engine.start(path)
+    engine.close()
+
+
+def test_start_keeps_the_free_memory_check(fake_vllm, monkeypatch, tmp_path):
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+
+    cfg = run_config_from_dict({"output_dir": str(tmp_path / "out"), "engines": {"generation": "vllm"}})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**30, 80 * 2**30))
+    with pytest.raises(RuntimeError, match="engines.vllm.gpu_memory_utilization"):
+        VllmGenerationEngine(cfg, ODD).start(_checkpoint(tmp_path))
+    assert fake_vllm == []
+
+
+def test_builder_native_order_is_unchanged(monkeypatch, tmp_path):
+    import fp8rl_core.builder as builder
+    from fp8rl_core.distributed.mesh import SINGLE
+
+    class FakeGen:  # no start(): the native path must not call one
+        def refit(self, weights):
+            events.append(("refit", []))
+
+    events: list = []
+    _record_builds(monkeypatch, events, [])
+    monkeypatch.setattr(builder, "build_generation_engine",
+                        lambda *a, **k: events.append(("gen", [])) or FakeGen())
+    path = _checkpoint(tmp_path)
+    cfg = run_config_from_dict({"output_dir": str(tmp_path / "out"), "device": "cpu", "loss": {"kl_coef": 0.1},
+                                "model": {"path": str(path)}})
+    builder.build_context(cfg, progress=False, mesh=SINGLE)
+    assert [what for what, _ in events] == ["train", "ref", "gen", "refit"]
+
+
 # ---- the real thing (CUDA + vLLM) -----------------------------------------------------------------
 def test_vllm_accepts_our_arguments(tmp_path):
     vllm = pytest.importorskip("vllm")

@@ -197,3 +197,20 @@ def test_cuda_layer_matches_emulation(monkeypatch):
         grads[executor] = (y.float(), xi.grad.float(), layer.weight.grad.float())
     for hw, em in zip(grads[None], grads["emulated"]):
         assert ((hw - em).norm() / em.norm()).item() < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_direct_cpu_path_gives_the_general_paths_bits(monkeypatch, dtype):
+    """Generation's direct path (one fused call, one GEMM with the kept dequantized weight) against the
+    general dispatch (quantize_operand + linear_from_operands), bit for bit, and it is the one taken."""
+    from fp8rl_core.fp8 import functional
+    from fp8rl_core.fp8.functional import ACT_BLOCK, linear_from_operands, quantize_operand
+
+    g = torch.Generator().manual_seed(7)
+    w = quantize_weight(torch.randn(300, 256, generator=g), torch.randn(300, generator=g))
+    x = torch.randn(5, 7, 256, generator=g).to(dtype)
+    general = linear_from_operands(quantize_operand(x.reshape(-1, 256), ACT_BLOCK, power_of_two=False,
+                                                    check_finite=False, name="x"), w, dtype).reshape(5, 7, 300)
+    monkeypatch.setattr(functional, "linear_from_operands", None)  # the general path would now fail
+    direct = fp8_linear(x, w)
+    assert direct.dtype == dtype and torch.equal(direct, general)
