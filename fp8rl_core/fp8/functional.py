@@ -99,7 +99,8 @@ def _emulated_cpu_linear(x2: torch.Tensor, w: Fp8Weight, power_of_two: bool) -> 
     """The same arithmetic as the general path (fused quantizer's dequantized x, one FP32 GEMM with the
     kept dequantized weight, FP32 bias, cast), without its dispatch: at decode (M = batch rows) the
     general path's Python costs as much as the GEMM. None where it does not apply (not the CPU
-    emulation, or a block the fused kernel declines: the caller takes the general path, which raises)."""
+    emulation, or a non-finite block, which the fused kernel declines: the general path then raises or
+    propagates it, as check_finite says)."""
     if w.dequantized is None or x2.device.type != "cpu" or not needs_dequant(x2.device):
         return None
     fused = fused_cpu.quantize(x2, ACT_BLOCK, power_of_two, want_dequant=True, want_q=False)
