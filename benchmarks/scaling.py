@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -110,16 +109,20 @@ def _state_bytes_worker(rank: int, world: int, port: int, name: str, out: str) -
         dist.destroy_process_group()
 
 
-def state_bytes(name: str, world: int) -> int:
+def spawn_ranks(worker, world: int, *args) -> str:
+    """worker(rank, world, port, *args, out) on `world` gloo ranks; returns what rank 0 wrote to `out`."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        out = os.path.join(tmp, "n")
-        mp.spawn(_state_bytes_worker, args=(world, port, name, out), nprocs=world, join=True)
-        return int(Path(out).read_text())
+    from fp8rl_core.ports import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out")
+        mp.spawn(worker, args=(world, free_port(), *args, out), nprocs=world, join=True)
+        return Path(out).read_text()
+
+
+def state_bytes(name: str, world: int) -> int:
+    return int(spawn_ranks(_state_bytes_worker, world, name))
 
 
 def _collectives_worker(rank: int, world: int, port: int, numel: int, out: str) -> None:
@@ -149,19 +152,10 @@ def _collectives_worker(rank: int, world: int, port: int, numel: int, out: str) 
 
 def collective_seconds(name: str, world: int) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds of the whole FP32 model at `world` ranks: FSDP2's unit of traffic."""
-    import torch.multiprocessing as mp
-
     from fp8rl_core.memory_plan import count_parameters
 
-    numel = count_parameters(MODELS[name]).total
-    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        out = os.path.join(tmp, "t")
-        mp.spawn(_collectives_worker, args=(world, port, numel, out), nprocs=world, join=True)
-        gather, scatter = json.loads(Path(out).read_text())
-        return gather, scatter
+    gather, scatter = json.loads(spawn_ranks(_collectives_worker, world, count_parameters(MODELS[name]).total))
+    return gather, scatter
 
 
 def planned_state_bytes(name: str, world: int) -> int:

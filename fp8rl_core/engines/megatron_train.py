@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,6 +60,7 @@ from fp8rl_core.engines.megatron_parallel import (
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.llama import positions_and_mask
+from fp8rl_core.ports import free_port
 from fp8rl_core.recipes import get_recipe
 
 INSTALL_HINT = ("run it on a CUDA machine with `pip install 'fp8rl[megatron]'` (megatron-core + transformer-engine), "
@@ -96,12 +96,6 @@ def apply_env(env: Mapping[str, str]) -> None:
         os.environ[key] = value
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(backend: str = "nccl") -> tuple[int, int, int]:
     """(rank, world_size, local_rank), initializing torch.distributed if nobody has.
 
@@ -119,7 +113,7 @@ def init_distributed(backend: str = "nccl") -> tuple[int, int, int]:
         env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size)
         return env.rank, env.world_size, env.local_rank
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     return 0, 1, 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,17 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fp8rl_core.ports import free_port
 from fp8rl_core.tracking.store import default_artifact_location, health_ok, sqlite_path
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (another process could take it before we bind)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def server_command(backend_store_uri: str, artifacts_destination: str | None = None, host: str = "127.0.0.1",

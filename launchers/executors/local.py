@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8rl_core.ports import free_port
 from launchers.executors.base import CANCELLED, DONE, FAILED, RUNNING, UNKNOWN, JobHandle, Task
 
 CONTROLLER_MODULE = "submitit.local._local"
@@ -58,15 +59,6 @@ def restore_sigint() -> None:
 
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the kernel's pick), for a cell's rendezvous."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.contextmanager

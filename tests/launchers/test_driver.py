@@ -324,7 +324,7 @@ def test_sweep_server_on_loopback_and_a_sweep_logging_over_http(cwd):
     import subprocess
     import sys
 
-    from fp8rl_core.tracking.server import free_port
+    from fp8rl_core.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "server", "--port", str(port)], cwd=cwd,

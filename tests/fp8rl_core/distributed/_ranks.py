@@ -9,18 +9,13 @@ size runs under the same threads and the same code path into the engine.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fp8rl_core.ports import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, out: str, timeout_s: float) -> None:

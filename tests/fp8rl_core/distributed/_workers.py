@@ -93,26 +93,15 @@ def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_si
                activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
                reshard_after_forward: bool = True, weight_cache: bool = True) -> dict:
     """This rank's rows of global_batch(), one engine step; returns global metrics and the weight update.
-    weight_cache False: FP8RL_WEIGHT_CACHE=0 for the step (Q(W) at every forward, the reference)."""
-    import os
-
-    old = os.environ.get("FP8RL_WEIGHT_CACHE")
-    os.environ["FP8RL_WEIGHT_CACHE"] = "1" if weight_cache else "0"
-    try:
-        return _train_step(mesh, recipe, compute, micro_batch_size, logprob_batch_size, reuse, cpu_offload,
-                           activation_checkpointing, grad_reduce, reshard_after_forward)
-    finally:
-        os.environ.pop("FP8RL_WEIGHT_CACHE") if old is None else os.environ.__setitem__("FP8RL_WEIGHT_CACHE", old)
-
-
-def _train_step(mesh, recipe, compute, micro_batch_size, logprob_batch_size, reuse, cpu_offload,
-                activation_checkpointing, grad_reduce, reshard_after_forward) -> dict:
+    weight_cache False: every Fp8Linear quantizes its weight at every forward (the reference)."""
     torch.manual_seed(0)
     engine = NativeTrainingEngine(build_model(CFG), fp8_training=recipe == "fp8_e2e", loss=LOSS, optim=OPTIM,
                                   compute_dtype=torch.bfloat16 if compute == "bf16" else torch.float32,
                                   mesh=mesh, micro_batch_size=micro_batch_size, logprob_batch_size=logprob_batch_size,
                                   cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
                                   grad_reduce=grad_reduce, reshard_after_forward=reshard_after_forward)
+    for name in engine.fp8_modules if not weight_cache else ():
+        engine.model.get_submodule(name).cache_weight = False
     rows = torch.tensor(list(mesh.shard(B, "rows")))
     batch = global_batch().select(rows)
     before = _full_weights(engine)

@@ -7,8 +7,8 @@ import time
 import pytest
 from mlflow import MlflowClient
 
+from fp8rl_core.ports import free_port
 from fp8rl_core.tracking.mlflow_sink import MAX_METRICS, MlflowSink, replay_buffer
-from fp8rl_core.tracking.server import free_port
 
 
 def _new_run(uri: str) -> str:
