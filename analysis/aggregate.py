@@ -104,6 +104,11 @@ class Curve:
         return ", ".join(f"{v}" if k == "recipe" else f"{k.split('.')[-1]}={v}" for k, v in self.group.items())
 
 
+def recipe_rank(recipe: str) -> tuple:
+    """Sort key: bf16, fp8_gen, fp8_e2e, then other recipes alphabetically."""
+    return _rank("recipe", recipe)
+
+
 def _rank(key: str, value: str) -> tuple:
     order = RECIPE_ORDER if key.endswith("recipe") else IS_ORDER if key.endswith("importance_sampling") else ()
     return (order.index(value), "") if value in order else (len(order), value)

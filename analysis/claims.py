@@ -4,9 +4,10 @@ Unit of replication: the seed. Cells that differ only in recipe share a seed's p
 comparison uses per-seed paired differences d_s (see `summaries.paired`), with a (1 − α) Student t
 interval (the decision), a percentile bootstrap interval (scipy.stats.bootstrap, fixed seed: a
 second view), n, a p-value, and a power line (`power_line`). α, the margin and the bootstrap come
-from `AnalysisConfig`. Per-run summaries (`summaries`): mismatch = the median over steps of
-`token_mult_prob_error` (robust to the heavy-tailed spikes; the trimmed mean is shown beside it);
-accuracy = `val_accuracy` at the run's last validation step.
+from `AnalysisConfig`. Per-run summaries (`summaries`, distinct-kernel runs only: the matched-kernel
+floor is no arm of the study): mismatch = the median over steps of `token_mult_prob_error` (robust to
+the heavy-tailed spikes; the trimmed mean is shown beside it); accuracy = the `analysis.accuracy_metric`
+(`val_accuracy` or `val_accuracy_bf16_eval`) at the run's last validation step.
 
 1. bf16 has the lowest mismatch. For each other recipe R: d_s = median(R) − median(bf16), pooled over
    IS settings (a seed's IS pairs averaged). PASS iff every (1 − α) interval lies above 0; FAIL iff
@@ -17,10 +18,18 @@ accuracy = `val_accuracy` at the run's last validation step.
    baseline (without IS). |gap_B| < |gap_A| ⟺ sgn · (B − A) > 0 with sgn = sign(bf16 − (A + B)/2)
    (the direction towards bf16, measured from the midpoint so that it is independent of B − A under
    the null). d_s = sgn · (B_s − A_s); PASS iff its (1 − α) interval lies above 0, FAIL iff below.
+   "...but does not close it" is a second comparison, shown and not deciding: the gap left with IS,
+   g_s = sgn₀ · (bf16_s − B_s) with sgn₀ = sign(mean_s(bf16_s − A_s)) (the gap's side without IS), and
+   its (1 − α) interval: above 0 "not closed", below 0 "overshot", else "closing not excluded". It
+   does not enter the verdict, which stays the one test whose error rates tests/analysis/
+   test_claim_error_rates.py checks: folding it in (PASS iff both intervals exclude 0, an
+   intersection–union test) would keep the level but cost power, and would turn a claim 3 that IS
+   fully closes into INCONCLUSIVE rather than say so; the finding beside the verdict says it instead.
 4. fp8_e2e + IS matches bf16: d_s = E_s − bf16_s (bf16 with the same IS setting when it ran, else
    bf16 without IS). TOST with margin m = `equivalence_margin` points: PASS iff the (1 − 2α)
    interval ⊂ (−m, m); FAIL iff the (1 − α) interval lies outside [−m, m]; INCONCLUSIVE otherwise.
-Fewer than 2 paired seeds: INCONCLUSIVE (no interval).
+Fewer than 2 paired seeds: INCONCLUSIVE (no interval). `other_accuracy_claims` repeats 3–4 on the
+accuracy metric that does not decide (`deciding=False`), when the runs logged it.
 """
 from __future__ import annotations
 
@@ -30,10 +39,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from analysis import stats as st
-from analysis.aggregate import RECIPE_ORDER
+from analysis.aggregate import recipe_rank
 from analysis.config import AnalysisConfig
 from analysis.fetch import RunHistory, SweepData
-from analysis.summaries import RunSummary, paired, select, step_order_fractions, summarize_all
+from analysis.summaries import (
+    ACCURACY_ATTR,
+    RunSummary,
+    accuracy_logged,
+    paired,
+    select,
+    step_order_fractions,
+    summarize_all,
+)
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 VERDICT = {st.PASS_CODE: PASS, st.FAIL_CODE: FAIL, st.NONE_CODE: INCONCLUSIVE}
@@ -56,6 +73,8 @@ class Comparison:
     seeds_needed: int | None  # seeds to detect the observed effect (claim 4: to show equivalence)
     power_line: str
     unit: str = ""
+    decides: bool = True  # False: evidence beside the verdict (claim 3's "does not close it")
+    finding: str = ""  # what a non-deciding comparison's interval says, e.g. "not closed"
 
 
 @dataclass
@@ -68,16 +87,18 @@ class ClaimResult:
     evidence: str = ""  # group summaries, e.g. "median mismatch: bf16 1.0012, ..."
     margin: float | None = None  # claim 4: the TOST margin in points
     step_order: list[dict] = field(default_factory=list)  # claims 1–2: `step_order(...)` per comparison
+    metric: str = ""  # claims 3–4: the accuracy metric they were computed on
+    deciding: bool = True  # False: claims 3–4 on the accuracy metric that does not decide
 
     def to_dict(self) -> dict:
-        return _jsonable(asdict(self))
+        return jsonable(asdict(self))
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
+        return {k: jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, (float, np.floating)):
         return float(x) if np.isfinite(x) else None
     return x.item() if isinstance(x, np.generic) else x
@@ -149,7 +170,7 @@ def choose_is_variant(runs: Sequence[RunHistory] | Sequence[RunSummary], is_vari
     return "token" if "token" in variants else (variants[0] if variants else None)
 
 
-def _ratio_text(ratio: float) -> str:
+def ratio_text(ratio: float) -> str:
     """A mismatch ratio (>= 1) legible at every scale: 1.0119, or 1 + 3.2e-08 near the FP32 floor."""
     return f"{ratio:.4f}" if abs(ratio - 1) >= 1e-3 else f"1 + {ratio - 1:.2g}"
 
@@ -161,7 +182,7 @@ def _median_text(sums: Sequence[RunSummary], recipes: Sequence[str]) -> str:
         if members:
             med = np.mean([s.mismatch_median for s in members])
             trim = np.mean([s.mismatch_trimmed for s in members])
-            parts.append(f"{rc} {_ratio_text(med)} (trimmed mean {_ratio_text(trim)}, {len(members)} runs)")
+            parts.append(f"{rc} {ratio_text(med)} (trimmed mean {ratio_text(trim)}, {len(members)} runs)")
         else:
             parts.append(f"{rc}: no runs")
     return "per-run median mismatch, mean over runs: " + "; ".join(parts)
@@ -195,15 +216,11 @@ def _mismatch_claim(number: int, claim: str, runs, sums, base: str, others: Sequ
     return ClaimResult(number, claim, status, comps, statistic, evidence, step_order=order)
 
 
-def _recipe_rank(recipe: str) -> tuple:
-    return (RECIPE_ORDER.index(recipe), "") if recipe in RECIPE_ORDER else (len(RECIPE_ORDER), recipe)
-
-
 def claim_lowest_mismatch(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
                           sums: Sequence[RunSummary] | None = None) -> ClaimResult:
     cfg = cfg or AnalysisConfig()
     sums = summarize_all(runs, cfg.trim) if sums is None else sums
-    others = sorted({s.recipe for s in sums} - {"bf16", "?"}, key=_recipe_rank)
+    others = sorted({s.recipe for s in sums} - {"bf16", "?"}, key=recipe_rank)
     res = _mismatch_claim(1, "bf16 has the lowest mismatch", runs, sums, "bf16", others, cfg)
     if not select(sums, "bf16") or not others:
         res.status = INCONCLUSIVE
@@ -217,8 +234,14 @@ def claim_e2e_below_gen(runs: Sequence[RunHistory], cfg: AnalysisConfig | None =
     return _mismatch_claim(2, "fp8_e2e mismatch < fp8_gen mismatch", runs, sums, "fp8_e2e", ["fp8_gen"], cfg)
 
 
-def _accuracy(sums: Sequence[RunSummary], recipe: str, isv: str) -> dict[str, float]:
-    return {s.seed: s.final_accuracy for s in select(sums, recipe, isv) if np.isfinite(s.final_accuracy)}
+def _accuracy(sums: Sequence[RunSummary], recipe: str, isv: str, attr: str) -> dict[str, float]:
+    values = {s.seed: getattr(s, attr) for s in select(sums, recipe, isv)}
+    return {seed: v for seed, v in values.items() if np.isfinite(v)}
+
+
+def _missing_text(sums: Sequence[RunSummary], metric: str) -> str:
+    """'val_accuracy_bf16_eval: missing (not logged by these runs). ' or ''."""
+    return "" if accuracy_logged(sums, metric) else f"{metric}: missing (not logged by these runs). "
 
 
 def _baseline_isv(sums: Sequence[RunSummary]) -> str | None:
@@ -233,49 +256,93 @@ def gap_statistic(ref: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return sgn * (b - a)
 
 
+def _gap_finding(c: Comparison) -> str:
+    """What the interval of the gap left with IS says (claim 3's second half)."""
+    lo, hi = c.ci
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return "no interval"
+    return "not closed" if lo > 0 else "overshot" if hi < 0 else "closing not excluded"
+
+
+def remaining_gap(ref: np.ndarray, a: np.ndarray, b: np.ndarray, name: str, cfg: AnalysisConfig) -> Comparison:
+    """g_s = sgn₀ · (ref_s − b_s), sgn₀ = sign(mean_s(ref_s − a_s)): the gap left with IS, on the side
+    the gap had without it (> 0: not closed). Arrays [n] in points; a non-deciding Comparison."""
+    sgn = np.sign(np.mean(ref - a)) if ref.size else 0.0
+    comp = compare(name, sgn * (ref - b), cfg, ACC_UNIT)
+    comp.decides, comp.finding = False, _gap_finding(comp)
+    return comp
+
+
 def claim_is_narrows_gap(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
-                         sums: Sequence[RunSummary] | None = None) -> ClaimResult:
+                         sums: Sequence[RunSummary] | None = None, metric: str | None = None) -> ClaimResult:
+    """Claim 3 on `metric` (default `cfg.accuracy_metric`)."""
     cfg = cfg or AnalysisConfig()
+    metric = metric or cfg.accuracy_metric
     sums = summarize_all(runs, cfg.trim) if sums is None else sums
     v, base = choose_is_variant(sums, cfg.is_variant), _baseline_isv(sums)
     claim = f"IS ({v or 'none found'}) narrows fp8_gen's accuracy gap to bf16"
-    ref, a = _accuracy(sums, "bf16", base or ""), _accuracy(sums, "fp8_gen", "none")
-    b = _accuracy(sums, "fp8_gen", v or "")
+    attr = ACCURACY_ATTR[metric]
+    ref, a = _accuracy(sums, "bf16", base or "", attr), _accuracy(sums, "fp8_gen", "none", attr)
+    b = _accuracy(sums, "fp8_gen", v or "", attr)
     seeds = sorted(set(ref) & set(a) & set(b))
     r_, a_, b_ = (np.array([x[s] for s in seeds]) * 100 for x in (ref, a, b))
     d = gap_statistic(r_, a_, b_)
     comp = compare(f"fp8_gen+{v} − fp8_gen+none, towards bf16", d, cfg, ACC_UNIT)
+    left = remaining_gap(r_, a_, b_, f"gap left: bf16+{base} − fp8_gen+{v} (does not close it; not deciding)", cfg)
     status = VERDICT[int(st.decide_positive([d], cfg.alpha))] if d.size >= 2 and d.any() else INCONCLUSIVE
     gaps = (f"bf16 {r_.mean():.1f}%, fp8_gen no IS {a_.mean():.1f}%, IS {v} {b_.mean():.1f}%: gap without IS "
-            f"{(r_ - a_).mean():+.1f} pts, with IS {(r_ - b_).mean():+.1f} pts over {len(seeds)} seeds"
+            f"{(r_ - a_).mean():+.1f} pts, with IS {(r_ - b_).mean():+.1f} pts over {len(seeds)} seeds. "
+            f"Does not close it (not deciding): gap left {fmt_value(left.effect, ACC_UNIT, signed=True)}, "
+            f"{left.ci_level:.0%} interval [{fmt_value(left.ci[0], ACC_UNIT, signed=True)}, "
+            f"{fmt_value(left.ci[1], ACC_UNIT, signed=True)}]: {left.finding}"
             if seeds else "no seed has all three cells")
-    statistic = "per-seed paired change of fp8_gen's final accuracy with IS, signed towards bf16 (> 0: gap narrowed)"
-    return ClaimResult(3, claim, status, [comp], statistic, gaps)
+    statistic = (f"per-seed paired change of fp8_gen's final {metric} with IS, signed towards bf16 "
+                 f"(> 0: gap narrowed)")
+    return ClaimResult(3, claim, status, [comp, left], statistic, _missing_text(sums, metric) + gaps, metric=metric)
 
 
 def claim_e2e_is_matches_bf16(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
-                              sums: Sequence[RunSummary] | None = None) -> ClaimResult:
+                              sums: Sequence[RunSummary] | None = None, metric: str | None = None) -> ClaimResult:
+    """Claim 4 on `metric` (default `cfg.accuracy_metric`)."""
     cfg = cfg or AnalysisConfig()
+    metric = metric or cfg.accuracy_metric
     sums = summarize_all(runs, cfg.trim) if sums is None else sums
     v = choose_is_variant(sums, cfg.is_variant)
     settings = {s.importance_sampling for s in select(sums, "bf16")}
     ref_isv = v if v in settings else _baseline_isv(sums)
     claim = f"fp8_e2e + IS ({v or 'none found'}) matches bf16's final accuracy (TOST ±{cfg.equivalence_margin:g} pts)"
-    d, seeds = (paired(sums, "bf16", "fp8_e2e", "final_accuracy", isv=ref_isv, isv_b=v) if v and ref_isv
+    d, seeds = (paired(sums, "bf16", "fp8_e2e", ACCURACY_ATTR[metric], isv=ref_isv, isv_b=v) if v and ref_isv
                 else (np.zeros(0), []))
     d = d * 100
     comp = compare(f"fp8_e2e+{v} − bf16+{ref_isv}", d, cfg, ACC_UNIT, tost=True)
     status = VERDICT[int(st.decide_equivalence(d, cfg.equivalence_margin, cfg.alpha))] if d.size >= 2 else INCONCLUSIVE
-    statistic = (f"per-seed paired difference of final accuracy (points); TOST at margin "
+    statistic = (f"per-seed paired difference of final {metric} (points); TOST at margin "
                  f"±{cfg.equivalence_margin:g} pts, "
                  f"{1 - 2 * cfg.alpha:.0%} interval")
-    evidence = f"{len(seeds)} paired seeds; mean difference {fmt_value(comp.effect, ACC_UNIT, signed=True)}"
-    return ClaimResult(4, claim, status, [comp], statistic, evidence, cfg.equivalence_margin)
+    evidence = (_missing_text(sums, metric)
+                + f"{len(seeds)} paired seeds; mean difference {fmt_value(comp.effect, ACC_UNIT, signed=True)}")
+    return ClaimResult(4, claim, status, [comp], statistic, evidence, cfg.equivalence_margin, metric=metric)
 
 
 def check_claims(data: SweepData | Sequence[RunHistory], cfg: AnalysisConfig | None = None) -> list[ClaimResult]:
+    """The four deciding verdicts (claims 3–4 on `cfg.accuracy_metric`), on the distinct-kernel runs."""
     cfg = cfg or AnalysisConfig()
     runs = list(data.runs if isinstance(data, SweepData) else data)
     sums = summarize_all(runs, cfg.trim)  # once: the claims read the same per-run summaries
     return [claim(runs, cfg, sums) for claim in
             (claim_lowest_mismatch, claim_e2e_below_gen, claim_is_narrows_gap, claim_e2e_is_matches_bf16)]
+
+
+def other_accuracy_claims(data: SweepData | Sequence[RunHistory], cfg: AnalysisConfig | None = None
+                          ) -> list[ClaimResult]:
+    """Claims 3–4 on the accuracy metric that does not decide (`deciding=False`); [] when no run logged
+    it (runs from before val_accuracy_bf16_eval existed)."""
+    cfg = cfg or AnalysisConfig()
+    runs = list(data.runs if isinstance(data, SweepData) else data)
+    sums, metric = summarize_all(runs, cfg.trim), cfg.other_accuracy_metric
+    if not accuracy_logged(sums, metric):
+        return []
+    results = [claim_is_narrows_gap(runs, cfg, sums, metric), claim_e2e_is_matches_bf16(runs, cfg, sums, metric)]
+    for r in results:
+        r.deciding = False
+    return results

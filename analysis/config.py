@@ -13,7 +13,12 @@ Fields (all optional in the sweep file):
   random state, fixed so that a report is reproducible;
 - `trim` (default 0.1): the proportion cut from each end for the trimmed-mean view of mismatch;
 - `is_variant` (default None: `token` if present, else the first other variant by name): the IS
-  setting that claims 3–4 read as "with IS".
+  setting that claims 3–4 read as "with IS";
+- `accuracy_metric` (default `val_accuracy`): the validation metric claims 3–4 decide on, Figure 2
+  plots and the RL-evaluation tables score. `val_accuracy`: each arm through its own generation
+  engine (FP8 inference and FP8-trained weights together); `val_accuracy_bf16_eval`: the same prompts
+  and samples through one BF16 engine for every arm (the weights alone). Declare it in the sweep file
+  before the study runs; the report shows claims 3–4 on the other metric too, marked not deciding.
 """
 from __future__ import annotations
 
@@ -23,7 +28,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
+
 SECTION = "analysis"
+ACCURACY_METRICS = (M_VAL_ACC, M_VAL_ACC_BF16_EVAL)  # accuracy_metric's allowed values
+ACCURACY_LABELS = {M_VAL_ACC: "val accuracy", M_VAL_ACC_BF16_EVAL: "val accuracy, BF16 eval engine"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,7 @@ class AnalysisConfig:
     seed: int = 0
     trim: float = 0.1
     is_variant: str | None = None
+    accuracy_metric: str = M_VAL_ACC
 
     def __post_init__(self) -> None:
         _check(self)
@@ -64,6 +74,11 @@ class AnalysisConfig:
         except ValueError as e:
             raise ValueError(f"{where}.{e}") from None
 
+    @property
+    def other_accuracy_metric(self) -> str:
+        """The accuracy metric that does not decide (shown beside the deciding one)."""
+        return next(m for m in ACCURACY_METRICS if m != self.accuracy_metric)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -73,6 +88,10 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if value is None or isinstance(value, str):
             return value
         raise ValueError(f"{key}: expected an IS variant name (a string), got {value!r}")
+    if isinstance(default, str):  # accuracy_metric: which names are allowed is _check's rule
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{key}: expected one of: {', '.join(ACCURACY_METRICS)}; got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key}: expected a number, got {value!r}")
     if isinstance(default, int) and not float(value).is_integer():
@@ -89,6 +108,7 @@ def _check(c: AnalysisConfig) -> None:
         ("bootstrap_resamples", c.bootstrap_resamples >= 100, "an integer >= 100, e.g. 9999"),
         ("seed", c.seed >= 0, "a non-negative integer"),
         ("trim", 0 <= c.trim < 0.5, "a proportion in [0, 0.5), e.g. 0.1"),
+        ("accuracy_metric", c.accuracy_metric in ACCURACY_METRICS, "one of: " + ", ".join(ACCURACY_METRICS)),
     ]
     for name, ok, want in rules:
         value = getattr(c, name)

@@ -4,7 +4,11 @@
     run = data.runs[0]; steps, values = run.series("token_mult_prob_error")   # int64 [S], float64 [S]
 
 Child runs are found with one search: by `mlflow.parentRunId` when `parent_run_id` is given, else by
-the `sweep` tag (role `cell`). Histories come in bulk, one request per metric key, not per run:
+the `sweep` tag (role `cell`). With `cell_ids` (the cells of the sweep file as it is now) only runs
+whose `cell_id` tag is among them are kept: a parent run outlives edits of its sweep file, so runs of
+cells the file no longer has (e.g. a `model.dtype` value since removed) are left out, and counted in
+`SweepData.stale_runs`, before any history is read.
+Histories come in bulk, one request per metric key, not per run:
 - SQL stores (sqlite, postgres, mysql): `SqlAlchemyStore.get_metric_history_bulk(run_ids, key)`;
 - a tracking server: GET `/api/2.0/mlflow/metrics/get-history-bulk-interval` (<= 100 runs a call,
   <= 2500 points a run; the server samples longer histories, so a run that comes back with 2500
@@ -16,7 +20,7 @@ logged wins, as in `fp8rl_core.tracking.sink`.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +69,7 @@ class SweepData:
     sweep_name: str | None
     parent_run_id: str | None
     runs: list[RunHistory]
+    stale_runs: int = 0  # child runs left out: their cell_id is not a cell of the sweep file as it is now
 
 
 def _points_to_arrays(points: Points) -> tuple[np.ndarray, np.ndarray]:
@@ -126,8 +131,10 @@ def _find_parent(client: MlflowClient, exp_id: str, sweep_name: str) -> str | No
 
 
 def fetch_sweep(uri: str, experiment: str, sweep_name: str | None = None, parent_run_id: str | None = None,
-                keys: Sequence[str] | None = None) -> SweepData:
-    """Child runs of one sweep with their histories (`keys`: every metric the runs logged by default)."""
+                keys: Sequence[str] | None = None, cell_ids: Collection[str] | None = None) -> SweepData:
+    """Child runs of one sweep with their histories (`keys`: every metric the runs logged by default).
+    `cell_ids`: keep only the runs of these cells (None: every child run); the rest are counted in
+    `.stale_runs`."""
     if not sweep_name and not parent_run_id:
         raise ValueError("fetch_sweep: give sweep_name or parent_run_id")
     for name, value in (("sweep_name", sweep_name), ("parent_run_id", parent_run_id)):
@@ -148,10 +155,15 @@ def fetch_sweep(uri: str, experiment: str, sweep_name: str | None = None, parent
         token = page.token
         if not token:
             break
+    stale = 0
+    if cell_ids is not None:
+        current = set(cell_ids)
+        kept = [r for r in found if r.data.tags[TAG_CELL_ID] in current]
+        found, stale = kept, len(found) - len(kept)
     keys = list(keys) if keys is not None else sorted({k for r in found for k in r.data.metrics})
     histories = read_histories(client, [r.info.run_id for r in found], keys)
     runs = [RunHistory(r.info.run_id, r.info.run_name, r.info.status, dict(r.data.tags), dict(r.data.params),
                        histories[r.info.run_id]) for r in found]
     runs.sort(key=lambda r: (r.tags.get("recipe", ""), r.tags.get("importance_sampling", ""), r.tags.get("seed", "")))
     sweep_name = sweep_name or (runs[0].tags.get(TAG_SWEEP) if runs else None)
-    return SweepData(uri, exp_id, sweep_name, parent_run_id, runs)
+    return SweepData(uri, exp_id, sweep_name, parent_run_id, runs, stale)

@@ -6,8 +6,15 @@
   which the engines disagree by many nats make heavy-tailed spikes; see `_log_excess_axis`). Its
   caption's second line is the paired per-step statistic behind "consistently lower": per seed, the
   fraction of steps at which one recipe's mismatch is below the other's (same seed and IS setting),
-  its mean over seeds and t interval (`order_note`, `analysis.claims.step_order`).
-- Figure 2 `fig2_val_accuracy`: validation accuracy (%) vs RL step, one curve per recipe × IS.
+  its mean over seeds and t interval (`order_note`, `analysis.claims.step_order`). Matched-kernel runs
+  (`analysis.kernels`: the trainer replays the generation engine, the zero-mismatch floor) are their
+  own curves, dashed in the recipe's colour ("bf16, matched kernels"), their dashes shifted per recipe
+  so that curves which coincide (bf16 and fp8_e2e both at 1 exactly) show both colours. A value of
+  exactly 1 has no place on a log axis of ratio − 1: when a curve reaches it the axis gets a floor one
+  decade below the smallest positive value, drawn as a dotted line, ticked "= 1 exactly" and
+  annotated with the recipes that sit on it at every step (`axis_floor`).
+- Figure 2 `fig2_val_accuracy`: validation accuracy (%) vs RL step, one curve per recipe × IS, of the
+  deciding accuracy metric (`analysis.accuracy_metric`). Distinct-kernel runs only.
 Colors are fixed per recipe (Okabe–Ito, colour-blind safe: bf16 blue, fp8_gen vermillion, fp8_e2e
 green) and line styles per IS variant (none solid, token dashed, tis dash-dot, icepop dotted), so a
 curve looks the same in both figures. Legends sit outside the axes; a note under each figure says
@@ -27,9 +34,10 @@ import numpy as np  # noqa: E402
 
 from analysis.aggregate import Curve, curves  # noqa: E402
 from analysis.claims import step_order  # noqa: E402
-from analysis.config import AnalysisConfig  # noqa: E402
+from analysis.config import ACCURACY_LABELS, AnalysisConfig  # noqa: E402
 from analysis.fetch import SweepData  # noqa: E402
-from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC  # noqa: E402
+from analysis.kernels import MATCHED, only_kernels  # noqa: E402
+from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL  # noqa: E402
 
 RECIPE_COLORS = {"bf16": "#0072B2", "fp8_gen": "#D55E00", "fp8_e2e": "#009E73"}
 EXTRA_COLORS = ("#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999")
@@ -38,6 +46,9 @@ EXTRA_STYLES = ((0, (8, 3)), (0, (1, 1)), (0, (4, 1, 1, 1)))
 IS_MARKERS = {"none": "o", "token": "s", "tis": "^", "icepop": "D", "sequence": "v"}
 ACCEPTABLE = (1.03, 1.05)
 EXCESS_FLOOR = 1e-9  # Figure 1's log axis shows ratio - 1 down to this (an FP32 baseline sits near 1e-7)
+MATCHED_DASH = (4.0, 8.0)  # matched-kernel curves: 4 on, 8 off; recipe i starts 4·i later (interleaved)
+MATCHED_LEGEND = (4.0, 3.0)  # their legend samples: the same dashes, unshifted and denser
+EXACT_LABEL = "= 1 exactly"  # the floor's tick label
 FIG1, FIG2 = "fig1_token_mult_prob_error", "fig2_val_accuracy"
 
 
@@ -71,9 +82,11 @@ def ci_note(cs: Sequence[Curve], pooled: str = "") -> str:
 
 def _plot(ax, cs: Sequence[Curve], labels: Sequence[str], colors, styles, markers, scale: float,
           band_alpha: float, bounds: tuple[float, float] | None = None) -> None:
-    """bounds: the metric's range (an accuracy lies in [0, 100] %): CI bands are clipped to it."""
+    """bounds: the metric's range (an accuracy lies in [0, 100] %; Figure 1: from its axis floor): curves
+    and CI bands are clipped to it (Figure 1 draws a ratio of exactly 1 on its floor line)."""
     for c, label, color, style, marker in zip(cs, labels, colors, styles, markers):
-        ax.plot(c.steps, c.mean * scale, color=color, linestyle=style, linewidth=2.0, label=label, marker=marker,
+        mean = c.mean * scale if bounds is None else np.clip(c.mean * scale, *bounds)
+        ax.plot(c.steps, mean, color=color, linestyle=style, linewidth=2.0, label=label, marker=marker,
                 markersize=4.5, markerfacecolor="white" if marker not in (None, "o") else color)
         if np.isfinite(c.half).any():  # NaN half-widths (n < 2) leave gaps in the band
             lo, hi = c.lo * scale, c.hi * scale
@@ -109,23 +122,66 @@ def save(fig, out_dir: str | Path, stem: str) -> list[Path]:
     return paths
 
 
-def _log_excess_axis(ax, cs: Sequence[Curve]) -> None:
+def matched_style(i: int) -> tuple:
+    """The dash pattern of the i-th matched-kernel curve: same period, shifted by 4 points per recipe."""
+    return (MATCHED_DASH[0] * (i % 3), MATCHED_DASH)
+
+
+def _finite(cs: Sequence[Curve], attr: str) -> np.ndarray:
+    parts = [getattr(c, attr)[np.isfinite(getattr(c, attr))] for c in cs]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def axis_floor(cs: Sequence[Curve]) -> tuple[float, bool]:
+    """`(floor, exact)`: the smallest ratio − 1 Figure 1's log axis shows, and whether a curve's mean
+    reaches 1 exactly somewhere. Exact: one decade below the decade of the smallest positive value
+    (m in [10 F, 100 F): an empty decade separates the floor from every measured value), where
+    values of exactly 1 are drawn. Otherwise EXCESS_FLOOR, below which nothing is drawn."""
+    if not (_finite(cs, "mean") <= 1.0).any():
+        return EXCESS_FLOOR, False
+    values = np.concatenate([_finite(cs, "mean"), _finite(cs, "hi"), np.array(ACCEPTABLE)]) - 1.0
+    smallest = values[values > 0].min()  # ACCEPTABLE makes it exist
+    return float(10.0 ** (np.floor(np.log10(smallest)) - 1)), True
+
+
+def _log_excess_axis(ax, cs: Sequence[Curve], floor: float = EXCESS_FLOOR, exact: bool = False) -> None:
     """y on a log scale of (ratio - 1), labelled in ratio units (1 + 1e-7, 1.001, 1.01, 1.1, 2, 11, ...).
 
     Why: the metric is a mean of exp|dlogp|, so one token the engines disagree on by 10 nats lifts
     a step to ~100 while typical steps sit at 1.001-1.02; on a linear axis the spikes flatten every
-    curve into one line (and a symmetric CI band dips below 1, which the ratio never does)."""
-    values = np.concatenate([v[np.isfinite(v)] for c in cs for v in (c.mean, c.hi)] + [np.array(ACCEPTABLE)])
-    excess = np.clip(values - 1.0, EXCESS_FLOOR, None)
-    ax.set_yscale("function", functions=(lambda y: np.log10(np.clip(y - 1.0, EXCESS_FLOOR, None)),
+    curve into one line (and a symmetric CI band dips below 1, which the ratio never does).
+    `exact`: the axis ends at `floor`, ticked EXACT_LABEL (see `axis_floor`)."""
+    values = np.concatenate([_finite(cs, "mean"), _finite(cs, "hi"), np.array(ACCEPTABLE)])
+    excess = np.clip(values - 1.0, floor, None)
+    clip = floor / 10 if exact else floor  # exact: room below the floor line, so that no spine hides it
+    ax.set_yscale("function", functions=(lambda y: np.log10(np.clip(y - 1.0, clip, None)),
                                          lambda e: 1.0 + 10.0 ** e))
-    ax.set_ylim(1.0 + excess.min() / 2, 1.0 + excess.max() * 2)
-    powers = range(-9, 5)
+    bottom = floor / 10 ** 0.4 if exact else excess.min() / 2
+    ax.set_ylim(1.0 + bottom, 1.0 + excess.max() * 2)
+    powers = [k for k in range(-12, 5) if 10.0 ** k > floor * 1.5]
     ticks = [1.0 + 10.0 ** k for k in powers]
-    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
     labels = [f"{t:.6g}" if k >= -5 else f"1 + 1e{k}" for k, t in zip(powers, ticks)]  # .6g would print "1"
+    if exact:
+        ticks, labels = [1.0 + floor, *ticks], [EXACT_LABEL, *labels]
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
     ax.yaxis.set_major_formatter(matplotlib.ticker.FixedFormatter(labels))
     ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+def _draw_floor(ax, floor: float, ms: Sequence[Curve]) -> None:
+    """The dotted floor line, a break mark on the y axis between it and the next decade (the distance
+    to the floor means nothing), and what sits on it: 'ratio = 1 exactly at every step: bf16, fp8_e2e
+    (matched kernels)' when whole curves do, else 'ratio = 1 exactly (no mismatch)'."""
+    ax.axhline(1.0 + floor, color="#555555", linewidth=0.9, linestyle=":", zorder=0.5)
+    for dy in (0.35, 0.55):  # two slanted ticks across the spine, half a decade above the floor
+        ax.plot([0], [1.0 + floor * 10 ** dy], transform=ax.get_yaxis_transform(), clip_on=False, color="#333333",
+                marker=[(-1.0, -0.4), (1.0, 0.4)], markersize=9, markeredgewidth=1.1, linestyle="none",
+                label="_axis break")
+    flat = [c.group.get("recipe", "?") for c in ms if c.mean.size and (c.mean == 1.0).all()]
+    text = (f"ratio {EXACT_LABEL} at every step: {', '.join(flat)} (matched kernels)" if flat
+            else f"ratio {EXACT_LABEL} (no mismatch)")
+    ax.text(0.99, 1.0 + floor * 10 ** 0.15, text, transform=ax.get_yaxis_transform(), ha="right", va="bottom",
+            fontsize=8.5, color="#333333")
 
 
 ORDER_PAIRS = (("bf16", "fp8_gen"), ("bf16", "fp8_e2e"), ("fp8_e2e", "fp8_gen"))  # (expected lower, higher)
@@ -151,30 +207,61 @@ def order_note(data: SweepData, cfg: AnalysisConfig | None = None) -> str:
 
 
 def mismatch_figure(data: SweepData, by: Sequence[str] = ("recipe",), cfg: AnalysisConfig | None = None):
-    """Figure 1 as a matplotlib Figure (not saved): one curve per recipe; the caption adds `order_note`."""
-    cs = curves(data, M_MISMATCH, by=by)
+    """Figure 1 as a matplotlib Figure (not saved): one curve per recipe (distinct kernels), one dashed
+    curve per recipe with matched-kernel runs; the caption adds `order_note`."""
+    distinct, matched = only_kernels(data), only_kernels(data, MATCHED)
+    cs, ms = curves(distinct, M_MISMATCH, by=by), curves(matched, M_MISMATCH, by=by)
     recipes = [c.group.get("recipe", "?") for c in cs]
+    m_recipes = [c.group.get("recipe", "?") for c in ms]
+    seen = recipes + m_recipes
+    floor, exact = axis_floor([*cs, *ms])
+    bounds = (1.0 + floor, np.inf)  # the ratio is >= 1 by definition; bands end at the axis floor
     fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
-    _plot(ax, cs, [c.label for c in cs], [recipe_color(r, recipes) for r in recipes], ["-"] * len(cs),
-          [None] * len(cs), 1.0, 0.15, bounds=(1.0 + EXCESS_FLOOR, np.inf))  # the ratio is >= 1 by definition
+    _plot(ax, cs, [c.label for c in cs], [recipe_color(r, seen) for r in recipes], ["-"] * len(cs),
+          [None] * len(cs), 1.0, 0.15, bounds=bounds)
+    _plot(ax, ms, [f"{r}, matched kernels" for r in m_recipes], [recipe_color(r, seen) for r in m_recipes],
+          [matched_style(i) for i in range(len(ms))], [None] * len(ms), 1.0, 0.08, bounds=bounds)
+    _legend_proxies(ax, ax.get_lines()[len(cs):])
     # references drawn after the curves (legend order) but beneath them (zorder)
     ax.axhspan(*ACCEPTABLE, color="#E69F00", alpha=0.14, linewidth=0, zorder=0,
                label="usual acceptable bound (1.03–1.05)")
-    _log_excess_axis(ax, cs)
-    variants = sorted({r.get("importance_sampling", "?") for r in data.runs})
-    seeds = len({r.get("seed", "?") for r in data.runs})
+    _log_excess_axis(ax, [*cs, *ms], floor, exact)
+    if exact:
+        _draw_floor(ax, floor, ms)
+    variants = sorted({r.get("importance_sampling", "?") for r in distinct.runs})
+    seeds = len({r.get("seed", "?") for r in distinct.runs})
     pooled = (f"runs per recipe = {seeds} seeds × {len(variants)} IS settings"
               if len(variants) > 1 and "importance_sampling" not in by else "")
     order = order_note(data, cfg)
+    note = ci_note(cs, pooled) + (f"\n{_matched_note(ms)}" if ms else "") + (f"\n{order}" if order else "")
     _finish(ax, "Figure 1 · Generation vs training mismatch", _subtitle(data), "RL step",
-            "token_mult_prob_error  (log scale of ratio − 1)", ci_note(cs, pooled) + (f"\n{order}" if order else ""),
-            "recipe")
+            "token_mult_prob_error  (log scale of ratio − 1)", note, "recipe")
     return fig
 
 
-def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_sampling")):
-    """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS."""
-    cs = curves(data, M_VAL_ACC, by=by)
+def _legend_proxies(ax, lines) -> None:
+    """The shifted dashes of matched curves would start some legend samples in a gap (a dot or nothing):
+    each curve's legend entry becomes an empty line with unshifted dashes; the curve keeps its label
+    as `gid` (for whoever reads the figure back)."""
+    for line in lines:
+        label = line.get_label()
+        line.set_gid(label)
+        line.set_label(f"_{label}")
+        ax.plot([], [], color=line.get_color(), linewidth=line.get_linewidth(), linestyle=(0, MATCHED_LEGEND),
+                label=label)
+
+
+def _matched_note(ms: Sequence[Curve]) -> str:
+    counts = sorted({int(c.n.max()) for c in ms if c.n.size})
+    n = "/".join(str(k) for k in counts) or "?"
+    return (f"dashed: matched kernels (the trainer replays the generation engine: the zero-mismatch floor), "
+            f"mean over {n} run{'' if n == '1' else 's'} each")
+
+
+def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_sampling"), metric: str = M_VAL_ACC):
+    """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS of `metric`, distinct kernels."""
+    data = only_kernels(data)
+    cs = curves(data, metric, by=by)
     recipes = [c.group.get("recipe", "?") for c in cs]
     variants = [c.group.get("importance_sampling", "none") for c in cs]
     scale = 100.0 if all(np.nanmax(np.abs(c.values)) <= 1.0 for c in cs) else 1.0  # fractions: show %
@@ -182,17 +269,23 @@ def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_
     labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]
     _plot(ax, cs, labels, [recipe_color(r, recipes) for r in recipes], [is_style(v, variants) for v in variants],
           [IS_MARKERS.get(v, "P") for v in variants], scale, 0.09, bounds=(0.0, scale))
-    _finish(ax, "Figure 2 · Validation accuracy", _subtitle(data), "RL step",
-            "validation accuracy (%, pass@1 at rollout T)" if scale == 100 else "validation accuracy", ci_note(cs),
+    engine = " (one BF16 evaluation engine for every arm)" if metric == M_VAL_ACC_BF16_EVAL else ""
+    what = ACCURACY_LABELS.get(metric, metric)
+    _finish(ax, f"Figure 2 · Validation accuracy{engine}", _subtitle(data), "RL step",
+            f"{what} (%, pass@1 at rollout T)" if scale == 100 else what, ci_note(cs),
             "recipe · importance sampling")
     return fig
 
 
 def _subtitle(data: SweepData) -> str:
-    return f"sweep {data.sweep_name or '?'} · {len(data.runs)} runs"
+    matched = len(only_kernels(data, MATCHED).runs)
+    head = f"sweep {data.sweep_name or '?'} · {len(data.runs)} runs"
+    return head + (f" ({matched} with matched kernels)" if matched else "")
 
 
 def make_figures(data: SweepData, out_dir: str | Path, cfg: AnalysisConfig | None = None) -> dict[str, list[Path]]:
-    """Both figures as PNG + SVG under `out_dir`: `{"fig1": [png, svg], "fig2": [png, svg]}`."""
+    """Both figures as PNG + SVG under `out_dir`: `{"fig1": [png, svg], "fig2": [png, svg]}`; Figure 2
+    plots `cfg.accuracy_metric`."""
+    cfg = cfg or AnalysisConfig()
     return {"fig1": save(mismatch_figure(data, cfg=cfg), out_dir, FIG1),
-            "fig2": save(accuracy_figure(data), out_dir, FIG2)}
+            "fig2": save(accuracy_figure(data, metric=cfg.accuracy_metric), out_dir, FIG2)}

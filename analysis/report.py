@@ -1,14 +1,21 @@
 """`make_report`: MLflow -> figures + summary table + claim checks, logged back to the parent run.
 
-    paths = make_report("sqlite:///mlflow.db", "fp8rl", "fp8_ablation", "outputs/report", config=cfg)
+    paths = make_report("sqlite:///mlflow.db", "fp8rl", "fp8_ablation", "outputs/report", config=cfg,
+                        cell_ids=[c.id for c in expand(sweep)])   # the sweep file's cells as it is now
     paths.report         # report.md linking fig1/fig2 (PNG+SVG), summary.md/.csv, claims.md/.json/.txt
     print(paths.verdicts_text)                 # the claims table for the terminal (`sweep report`)
     print(json.dumps(paths.verdicts))          # the same as JSON (`sweep report --json`)
 
 Safe to run at any time, also mid-sweep (unfinished runs contribute the steps they have logged;
-the report says how many runs are FINISHED). Artifacts go under `report/` of the parent run and
-replace the previous report's files of the same name; the parent run also gets one tag per claim
-(`fp8rl.claim.1` = PASS, ...), so the verdicts show in the MLflow runs table.
+the report says how many runs are FINISHED). `cell_ids`: only the runs of these cells are read; child
+runs of other cells under the same parent (an earlier version of the sweep file) are left out and
+counted in report.md. What reads which runs (`analysis.kernels`): Figure 1 all of them (matched-kernel
+runs dashed), the floor table the matched ones, everything else the distinct ones. Claims 3–4 decide
+on `analysis.accuracy_metric`; the other metric's claims 3–4 follow, marked not deciding; the JSON
+verdicts add `not_deciding`, `eval_offset` (analysis.eval_offset), `floor` (analysis.floor),
+`stale_runs` and `missing_metrics` (accuracy metrics no run logged). Artifacts go under `report/` of
+the parent run and replace the previous report's files of the same name; the parent run also gets
+one tag per deciding claim (`fp8rl.claim.1` = PASS, ...), so the verdicts show in the MLflow runs table.
 
 MLflow 3.17's UI opens an experiment on its GenAI "Overview" unless the browser has chosen "Model
 training" once (the experiment tag `mlflow.experimentKind` is not read for that): `ui_link` gives the
@@ -18,13 +25,17 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from analysis.claims import ClaimResult, check_claims
-from analysis.config import AnalysisConfig
+from analysis.claims import ClaimResult, check_claims, other_accuracy_claims
+from analysis.config import ACCURACY_METRICS, AnalysisConfig
+from analysis.eval_offset import offset_markdown, offset_rows
 from analysis.fetch import SweepData, fetch_sweep
 from analysis.figures import make_figures, order_note
+from analysis.floor import floor_markdown, floor_rows
+from analysis.kernels import MATCHED, only_kernels
 from analysis.rleval import rleval_markdown
 from analysis.summaries import summarize_all, tails_markdown
 from analysis.table import markdown_table, summary_rows, write_table
@@ -54,7 +65,8 @@ class ReportPaths:
     claims: Path
     logged_to: str | None = None  # the parent run id the files were logged to
     statuses: dict[str, int] = field(default_factory=dict)
-    results: list[ClaimResult] = field(default_factory=list)
+    results: list[ClaimResult] = field(default_factory=list)  # the four deciding verdicts
+    aside: list[ClaimResult] = field(default_factory=list)  # claims 3–4 on the other accuracy metric
     verdicts_text: str = ""  # `format_verdicts`: print this in the terminal
     verdicts: dict = field(default_factory=dict)  # `verdicts_json`: json.dumps this for --json
     ui_link: str = ""
@@ -72,21 +84,53 @@ class ReportPaths:
                 self.claims, self.claims_json, self.claims_txt]
 
 
-def _report_text(data: SweepData, figures: dict[str, list[Path]], claims_md: str, table_md: str,
-                 extra: str = "", cfg: AnalysisConfig | None = None) -> str:
+@dataclass
+class Sections:
+    """What report.md shows besides the files: Markdown blocks computed once in `make_report`."""
+
+    claims: str
+    table: str
+    floor: str
+    offset: str
+    extra: str
+    missing: list[str]  # accuracy metrics no (distinct) run logged
+
+
+def _runs_line(data: SweepData) -> list[str]:
+    """'18 child runs (18 FINISHED).' plus what was left out and what the matched runs are for."""
     statuses = Counter(r.status for r in data.runs)
     state = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no runs"
-    out = [f"# Sweep report: {data.sweep_name}", "",
-           f"Tracking URI `{data.uri}`, parent run `{data.parent_run_id}`, {len(data.runs)} child runs ({state}).",
+    lines = [f"Tracking URI `{data.uri}`, parent run `{data.parent_run_id}`, {len(data.runs)} child runs ({state})."]
+    matched = len(only_kernels(data, MATCHED).runs)
+    if matched:
+        lines.append(f"{matched} of them ran with matched kernels (`engines.kernels: matched`): the zero-mismatch "
+                     "floor, shown in Figure 1 (dashed) and the floor table; no claim, Figure 2 or summary row "
+                     "uses them.")
+    if data.stale_runs:
+        lines.append(f"{data.stale_runs} more child run{'s' * (data.stale_runs != 1)} of this parent "
+                     f"{'were' if data.stale_runs != 1 else 'was'} left out as belonging to an earlier version of "
+                     "the sweep file (cell ids that are not cells of the file as it is now).")
+    return lines
+
+
+def _report_text(data: SweepData, figures: dict[str, list[Path]], sec: Sections, cfg: AnalysisConfig) -> str:
+    out = [f"# Sweep report: {data.sweep_name}", "", *_runs_line(data),
            f"In the MLflow UI: {ui_link(data.uri, data.experiment_id, data.parent_run_id)}", ""]
     for title, key in (("Figure 1: token_mult_prob_error per recipe", "fig1"),
-                       ("Figure 2: validation accuracy per recipe × IS", "fig2")):
+                       (f"Figure 2: validation accuracy ({cfg.accuracy_metric}) per recipe × IS", "fig2")):
         png, svg = figures[key]
         out += [f"## {title}", "", f"![{title}]({png.name})", "", f"([SVG]({svg.name}))", ""]
         order = order_note(data, cfg) if key == "fig1" else ""
         if order:  # Figure 1's "consistently lower", as the paired per-step statistic
             out += [order[0].upper() + order[1:].replace(":\n", ": ") + ".", ""]
-    out += ["## Claims", "", claims_md, "## Summary", "", table_md, extra]
+        if key == "fig1":
+            out += ["### Zero-mismatch floor (matched kernels)", "", sec.floor]
+    out += ["## Evaluation engine: step-0 accuracy offset", "", sec.offset]
+    out += ["## Claims", "", sec.claims]
+    if cfg.other_accuracy_metric in sec.missing:
+        out += [f"Claims 3–4 on {cfg.other_accuracy_metric}: not shown, {cfg.other_accuracy_metric} is missing "
+                "(not logged by these runs).", ""]
+    out += ["## Summary", "", sec.table, sec.extra]
     return "\n".join(out)
 
 
@@ -96,8 +140,16 @@ def _extra_sections(data: SweepData, cfg: AnalysisConfig) -> str:
                       "## RL-evaluation view: IQM and probability of improvement", "", rleval_markdown(sums, cfg)])
 
 
-def _write_claims(out: Path, results: list[ClaimResult], cfg: AnalysisConfig) -> tuple[Path, str, str, dict]:
-    md, text, js = verdicts_markdown(results, cfg), format_verdicts(results, cfg), verdicts_json(results, cfg)
+def missing_metrics(data: SweepData) -> list[str]:
+    """The accuracy metrics (`ACCURACY_METRICS`) that no distinct-kernel run logged."""
+    runs = only_kernels(data).runs
+    return [m for m in ACCURACY_METRICS if not any(r.series(m)[0].size for r in runs)]
+
+
+def _write_claims(out: Path, results: list[ClaimResult], aside: list[ClaimResult], cfg: AnalysisConfig,
+                  extra: dict) -> tuple[Path, str, str, dict]:
+    md = verdicts_markdown(results, cfg, aside)
+    text, js = format_verdicts(results, cfg, aside), verdicts_json(results, cfg, aside, extra)
     path = out / "claims.md"
     path.write_text("# Claim checks\n\n" + md)
     path.with_suffix(".txt").write_text(text + "\n")
@@ -116,24 +168,30 @@ def _log_to_parent(uri: str, paths: ReportPaths) -> None:
 
 
 def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path, parent_run_id: str | None = None,
-                log_artifacts: bool = True, config: AnalysisConfig | None = None) -> ReportPaths:
+                log_artifacts: bool = True, config: AnalysisConfig | None = None,
+                cell_ids: Collection[str] | None = None) -> ReportPaths:
     """Write figures, tables, claims and `report.md` to `out_dir`; log them to the sweep's parent run.
-    The returned paths carry the verdicts: `.verdicts_text` (terminal) and `.verdicts` (JSON-ready)."""
+    `cell_ids`: the sweep file's current cells (None: every child run). The returned paths carry the
+    verdicts: `.verdicts_text` (terminal) and `.verdicts` (JSON-ready)."""
     cfg = config or AnalysisConfig()
-    data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id)
+    data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id, cell_ids=cell_ids)
     if not data.runs:
-        raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet")
+        stale = f" ({data.stale_runs} of an earlier version of the sweep file left out)" if data.stale_runs else ""
+        raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet{stale}")
     out = Path(out_dir)
     figures = make_figures(data, out, cfg)
     table_md_path, table_csv_path = write_table(data, out)
-    results = check_claims(data, cfg)
-    claims_path, claims_md, text, js = _write_claims(out, results, cfg)
+    results, aside = check_claims(data, cfg), other_accuracy_claims(data, cfg)
+    floor, offsets, missing = floor_rows(data.runs), offset_rows(data.runs), missing_metrics(data)
+    extra = {"eval_offset": offsets, "floor": floor, "stale_runs": data.stale_runs, "missing_metrics": missing}
+    claims_path, claims_md, text, js = _write_claims(out, results, aside, cfg, extra)
+    sections = Sections(claims_md, markdown_table(summary_rows(data)), floor_markdown(floor), offset_markdown(offsets),
+                        _extra_sections(data, cfg), missing)
     report = out / "report.md"
-    body = _report_text(data, figures, claims_md, markdown_table(summary_rows(data)), _extra_sections(data, cfg), cfg)
-    report.write_text(body)
+    report.write_text(_report_text(data, figures, sections, cfg))
     paths = ReportPaths(out, report, figures, table_md_path, table_csv_path, claims_path,
-                        statuses=dict(Counter(r.status for r in data.runs)), results=results, verdicts_text=text,
-                        verdicts=js, ui_link=ui_link(uri, data.experiment_id, data.parent_run_id))
+                        statuses=dict(Counter(r.status for r in data.runs)), results=results, aside=aside,
+                        verdicts_text=text, verdicts=js, ui_link=ui_link(uri, data.experiment_id, data.parent_run_id))
     if log_artifacts and data.parent_run_id:
         paths.logged_to = data.parent_run_id
         _log_to_parent(uri, paths)

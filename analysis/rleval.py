@@ -1,6 +1,8 @@
 """RL-evaluation practice (Agarwal et al. 2021, "Deep RL at the Edge of the Statistical Precipice"):
 the interquartile mean (IQM) of final accuracy over runs, and the probability of improvement between
 recipes, each with a stratified bootstrap interval (strata = IS settings; runs resampled within each).
+Accuracy: the deciding metric (`analysis.accuracy_metric`), as claims 3–4; distinct-kernel runs (the
+summaries `summarize_all` makes).
 
 Implemented with scipy (`analysis.stats`), not the `rliable` package: rliable 1.2.0 (an sdist, 2024)
 installs beside torch 2.13 without another torch, but pins `arch<8` and brings arch, statsmodels,
@@ -16,16 +18,16 @@ import numpy as np
 
 from analysis import stats as st
 from analysis.aggregate import IS_ORDER, RECIPE_ORDER
-from analysis.config import AnalysisConfig
-from analysis.summaries import RunSummary, select
+from analysis.config import ACCURACY_LABELS, AnalysisConfig
+from analysis.summaries import ACCURACY_ATTR, RunSummary, select
 
 
 def _ordered(values: set[str], order: Sequence[str]) -> list[str]:
     return sorted(values, key=lambda v: (order.index(v), "") if v in order else (len(order), v))
 
 
-def _scores(sums: Sequence[RunSummary], recipe: str, isv: str) -> np.ndarray:
-    x = np.array([s.final_accuracy for s in select(sums, recipe, isv)], dtype=np.float64)
+def _scores(sums: Sequence[RunSummary], recipe: str, isv: str, metric: str) -> np.ndarray:
+    x = np.array([getattr(s, ACCURACY_ATTR[metric]) for s in select(sums, recipe, isv)], dtype=np.float64)
     return x[np.isfinite(x)] * 100
 
 
@@ -35,8 +37,8 @@ def iqm_rows(sums: Sequence[RunSummary], cfg: AnalysisConfig) -> list[dict]:
     recipes = _ordered({s.recipe for s in sums}, RECIPE_ORDER)
     for recipe in recipes:
         settings = _ordered({s.importance_sampling for s in select(sums, recipe)}, IS_ORDER)
-        strata = [x for x in (_scores(sums, recipe, v) for v in settings) if x.size]
-        groups = [(v, [_scores(sums, recipe, v)]) for v in settings]
+        strata = [x for x in (_scores(sums, recipe, v, cfg.accuracy_metric) for v in settings) if x.size]
+        groups = [(v, [_scores(sums, recipe, v, cfg.accuracy_metric)]) for v in settings]
         if len(strata) > 1:
             groups.append(("all (stratified)", strata))
         for label, samples in groups:
@@ -56,7 +58,7 @@ def improvement_rows(sums: Sequence[RunSummary], cfg: AnalysisConfig) -> list[di
     for y, x in combinations(recipes, 2):  # x: the later recipe in the order (the candidate), y: the reference
         settings = [{s.importance_sampling for s in select(sums, r)} for r in (x, y)]
         shared = _ordered(settings[0] & settings[1], IS_ORDER)
-        pairs = [(_scores(sums, x, v), _scores(sums, y, v)) for v in shared]
+        pairs = [(_scores(sums, x, v, cfg.accuracy_metric), _scores(sums, y, v, cfg.accuracy_metric)) for v in shared]
         flat = [a for xa, ya in pairs if xa.size and ya.size for a in (xa, ya)]
         if not flat:
             continue
@@ -74,7 +76,8 @@ def _ci(lo: float, hi: float, fmt: str) -> str:
 def rleval_markdown(sums: Sequence[RunSummary], cfg: AnalysisConfig) -> str:
     """The report's two tables (IQM; probability of improvement)."""
     level = f"{1 - cfg.alpha:.0%}"
-    out = [f"| recipe | IS | runs | IQM final val accuracy (%) | {level} CI (stratified bootstrap) |",
+    what = ACCURACY_LABELS[cfg.accuracy_metric]
+    out = [f"| recipe | IS | runs | IQM final {what} (%) | {level} CI (stratified bootstrap) |",
            "|---|---|--:|--:|---|"]
     out += [f"| {r['recipe']} | {r['importance_sampling']} | {r['runs']} | {r['iqm']:.1f} | "
             f"{_ci(r['lo'], r['hi'], '.1f')} |" for r in iqm_rows(sums, cfg)]

@@ -9,7 +9,12 @@ Per run (over its logged steps t = 1..S of `token_mult_prob_error` x_t):
 - tails: `mismatch_p99` (99th percentile over steps), `mismatch_max`, and the per-run means over steps
   of `logprob_abs_diff_frac_gt_{0.1,1,10}` (the fraction of tokens with |Δ log-prob| above 0.1, 1, 10
   nats; optional: NaN, shown as n/a, for runs that did not log them);
-- `final_accuracy` = `val_accuracy` at the run's last validation step (claims 3–4).
+- `final_accuracy` = `val_accuracy` at the run's last validation step, `final_accuracy_bf16_eval` =
+  `val_accuracy_bf16_eval` there (NaN for runs that did not log it); claims 3–4 read the one named by
+  `analysis.accuracy_metric` (`ACCURACY_ATTR`).
+
+Only runs with distinct kernels are summarized by default (`analysis.kernels`): a matched-kernel cell
+has the recipe, IS setting and seed of a distinct one, so the two would collide in every pairing.
 
 Pairs: runs that differ only in recipe share a seed and an IS setting, hence the prompts.
 `paired(summaries, a, b, field, isv)` → one difference per seed, b − a; with `isv=None` the
@@ -26,10 +31,12 @@ from scipy import stats
 
 from analysis.aggregate import IS_ORDER, RECIPE_ORDER, final_value
 from analysis.fetch import RunHistory
-from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, TAIL_FRACTIONS
+from analysis.kernels import DISTINCT, only_kernels
+from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAIL_FRACTIONS
 
 FRAC_METRICS = TAIL_FRACTIONS  # the MLflow contract's per-step tail fractions (fp8rl_core/tracking)
 NAN = float("nan")
+ACCURACY_ATTR = {M_VAL_ACC: "final_accuracy", M_VAL_ACC_BF16_EVAL: "final_accuracy_bf16_eval"}  # metric -> field
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class RunSummary:
     mismatch_max: float = NAN
     frac_gt: tuple[float, float, float] = (NAN, NAN, NAN)  # FRAC_METRICS, in order
     final_accuracy: float = NAN
+    final_accuracy_bf16_eval: float = NAN
 
     @property
     def cell(self) -> tuple[str, str, str]:
@@ -70,11 +78,18 @@ def summarize(run: RunHistory, trim: float = 0.1) -> RunSummary:
                       mismatch_max=float(mm.max()))
     return RunSummary(run.get("recipe") or "?", run.get("importance_sampling") or "?", run.get("seed") or "?",
                       run.run_id, frac_gt=tuple(_mean_of(run, k) for k in FRAC_METRICS),
-                      final_accuracy=final_value(run, M_VAL_ACC), **robust)
+                      final_accuracy=final_value(run, M_VAL_ACC),
+                      final_accuracy_bf16_eval=final_value(run, M_VAL_ACC_BF16_EVAL), **robust)
 
 
-def summarize_all(runs: Iterable[RunHistory], trim: float = 0.1) -> list[RunSummary]:
-    return [summarize(r, trim) for r in runs]
+def summarize_all(runs: Iterable[RunHistory], trim: float = 0.1, kernels: str = DISTINCT) -> list[RunSummary]:
+    """The summaries of the runs with `kernels` (default: distinct, the study's cells)."""
+    return [summarize(r, trim) for r in only_kernels(list(runs), kernels)]
+
+
+def accuracy_logged(summaries: Sequence[RunSummary], metric: str) -> bool:
+    """Did any run log `metric` (an `ACCURACY_ATTR` key)? Older runs have no val_accuracy_bf16_eval."""
+    return any(np.isfinite(getattr(s, ACCURACY_ATTR[metric])) for s in summaries)
 
 
 def select(summaries: Sequence[RunSummary], recipe: str, isv: str | None = None) -> list[RunSummary]:
@@ -102,8 +117,9 @@ def paired(summaries: Sequence[RunSummary], a: str, b: str, attr: str, isv: str 
 
 def step_order_fractions(runs: Sequence[RunHistory], low: str, high: str, key: str = M_MISMATCH) -> np.ndarray:
     """Per seed: the fraction of the steps both paired runs logged where `low`'s value < `high`'s,
-    averaged over the seed's IS settings (Figure 1's "consistently lower", paired step by step)."""
-    cells = {(r.get("recipe"), r.get("importance_sampling"), r.get("seed")): r for r in runs}
+    averaged over the seed's IS settings (Figure 1's "consistently lower", paired step by step).
+    Distinct-kernel runs only (a matched cell shares its distinct twin's recipe, IS and seed)."""
+    cells = {(r.get("recipe"), r.get("importance_sampling"), r.get("seed")): r for r in only_kernels(runs)}
     by_seed: dict[str, list[float]] = defaultdict(list)
     for (recipe, setting, seed), run_low in cells.items():
         run_high = cells.get((high, setting, seed))

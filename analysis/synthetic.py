@@ -11,8 +11,19 @@ effects for the claim tests:
   paired differences cancel it and unpaired comparisons do not;
 - `spikes`: `{(recipe, IS, seed): value}` sets 3 steps of that run's mismatch to `value` (the
   heavy-tailed spikes of real runs);
-- `tails`: also log `logprob_abs_diff_frac_gt_{0.1,1,10}` per step.
-`constant_runs` builds small sweeps with constant histories (exact per-run summaries);
+- `tails`: also log `logprob_abs_diff_frac_gt_{0.1,1,10}` per step;
+- `matched`: recipes that also get matched-kernel runs (param `engines.kernels: matched`, IS none,
+  the same seeds, cell id `<recipe>-none-<seed>-matched`), mismatch `matched_mismatch[recipe]`:
+  exactly 1.0 at every step for bf16 and fp8_e2e (the trainer replays the generation engine),
+  1 + noise for fp8_gen (FP8 generation, BF16 training: a precision gap is left);
+- `bf16_eval`: also log `val_accuracy_bf16_eval` at the validation steps: `val_accuracy −
+  eval_offset[recipe]` (+ noise, sd 0.003), exactly `val_accuracy` for bf16 (its own engine is BF16),
+  so the step-0 offset val_accuracy − val_accuracy_bf16_eval is `eval_offset[recipe]` + noise.
+Distinct runs carry the param `engines.kernels: distinct` as a current run does (older runs lack it).
+The extra draws (matched runs, bf16_eval noise) come from their own random streams, so a sweep's
+other values do not depend on whether they are asked for.
+`constant_runs` builds small sweeps with constant histories (exact per-run summaries; optionally
+`val_accuracy_bf16_eval` too);
 `simulate_cells` draws per-run summaries for thousands of sweeps at once (numpy), for the error-rate
 and power tests of the claims' decision rules. No claim about real FP8 runs is made by these numbers.
 """
@@ -24,12 +35,16 @@ from pathlib import Path
 import numpy as np
 
 from analysis.fetch import RunHistory
+from analysis.kernels import DISTINCT, KERNELS_PARAM, MATCHED
 from analysis.summaries import FRAC_METRICS
+from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 
 MISMATCH = {"bf16": 1.004, "fp8_gen": 1.06, "fp8_e2e": 1.02}
 FINAL_ACC = {("bf16", "none"): 0.70, ("bf16", "token"): 0.70, ("fp8_gen", "none"): 0.52,
              ("fp8_gen", "token"): 0.66, ("fp8_e2e", "none"): 0.63, ("fp8_e2e", "token"): 0.69}
 STEP_TIME = {"bf16": 1.0, "fp8_gen": 1.25, "fp8_e2e": 1.4}
+MATCHED_MISMATCH = {"bf16": 1.0, "fp8_gen": 1.03, "fp8_e2e": 1.0}  # 1.0: exactly 1 at every step
+EVAL_OFFSET = {"bf16": 0.0, "fp8_gen": -0.03, "fp8_e2e": -0.01}  # val_accuracy − val_accuracy_bf16_eval
 CONST_STEPS = np.arange(8)
 
 
@@ -38,41 +53,75 @@ def synthetic_runs(recipes: Sequence[str] = ("bf16", "fp8_gen", "fp8_e2e"),
                    seeds: int = 3, steps: int = 21, val_every: int = 5, mismatch: Mapping[str, float] = MISMATCH,
                    final_acc: Mapping[tuple[str, str], float] = FINAL_ACC, acc0: float = 0.3,
                    seed_sd: float = 0.015, rng_seed: int = 0, shared_sd: float = 0.0,
-                   spikes: Mapping[tuple[str, str, int], float] | None = None, tails: bool = False) -> list[RunHistory]:
-    """One RunHistory per (recipe, IS, seed); its `metrics` are the exact values a test compares to."""
+                   spikes: Mapping[tuple[str, str, int], float] | None = None, tails: bool = False,
+                   matched: Sequence[str] = (), matched_mismatch: Mapping[str, float] = MATCHED_MISMATCH,
+                   bf16_eval: bool = False, eval_offset: Mapping[str, float] = EVAL_OFFSET) -> list[RunHistory]:
+    """One RunHistory per (recipe, IS, seed), then one per (matched recipe, seed); their `metrics` are
+    the exact values a test compares to."""
     rng = np.random.default_rng(rng_seed)
     shared = np.random.default_rng([rng_seed, 1]).normal(0, shared_sd, seeds) if shared_sd else np.zeros(seeds)
+    eval_rng, matched_rng = np.random.default_rng([rng_seed, 2]), np.random.default_rng([rng_seed, 3])
+    shape = _Shape(steps, val_every, acc0, tails)
+    cells = [(recipe, isv, seed, DISTINCT, mismatch.get(recipe, 1.03))
+             for recipe in recipes for isv in is_variants for seed in range(seeds)]
+    cells += [(recipe, "none", seed, MATCHED, matched_mismatch.get(recipe, 1.03))
+              for recipe in matched for seed in range(seeds)]
     runs = []
-    all_steps = np.arange(steps, dtype=np.int64)
-    val_steps = np.unique(np.r_[np.arange(0, steps, val_every), steps - 1]).astype(np.int64)
-    for recipe in recipes:
-        for isv in is_variants:
-            for seed in range(seeds):
-                excess = mismatch.get(recipe, 1.03) - 1.0  # the metric is >= 1 by definition: noise it multiplicatively
-                mm = 1.0 + excess * np.exp(rng.normal(0, 0.15) + rng.normal(0, 0.08, steps))
-                if spikes and (recipe, isv, seed) in spikes:
-                    mm[[steps // 4, steps // 2, (3 * steps) // 4]] = spikes[(recipe, isv, seed)]
-                target = final_acc.get((recipe, isv), 0.6) + rng.normal(0, seed_sd) + shared[seed]
-                acc = acc0 + (target - acc0) * val_steps / max(steps - 1, 1) + rng.normal(0, 0.004, val_steps.size)
-                acc[-1] = target
-                step_time = STEP_TIME.get(recipe, 1.0) * (1 + rng.normal(0, 0.02, steps))
-                metrics = {
-                    "token_mult_prob_error": (all_steps, mm),
-                    "val_accuracy": (val_steps, acc),
-                    "reward_mean": (all_steps, np.interp(all_steps, val_steps, acc) + rng.normal(0, 0.02, steps)),
-                    "is_weight_mean": (all_steps, 1 + rng.normal(0, 0.01, steps) * (isv != "none")),
-                    "loss": (all_steps, 0.5 * np.exp(-all_steps / steps) + rng.normal(0, 0.01, steps)),
-                    "step_time_s": (all_steps, step_time),
-                    "tokens_per_s": (all_steps, 1024 / step_time),
-                }
-                if tails:
-                    for i, key in enumerate(FRAC_METRICS):
-                        metrics[key] = (all_steps, np.clip((mm - 1) * 10.0 ** -i, 0, 1))
-                tags = {"recipe": recipe, "importance_sampling": isv, "seed": str(seed),
-                        "cell_id": f"{recipe}-{isv}-{seed}"}
-                params = {"recipe": recipe, "loss.importance_sampling": isv, "seed": str(seed)}
-                runs.append(RunHistory("", f"{recipe}-{isv}-s{seed}", "FINISHED", tags, params, metrics))
+    for recipe, isv, seed, kernels, mm_mean in cells:
+        metrics = shape.metrics(rng if kernels == DISTINCT else matched_rng, recipe, isv, mm_mean,
+                                final_acc.get((recipe, isv), 0.6), shared[seed], seed_sd)
+        if spikes and kernels == DISTINCT and (recipe, isv, seed) in spikes:
+            mm = metrics["token_mult_prob_error"][1]
+            mm[[steps // 4, steps // 2, (3 * steps) // 4]] = spikes[(recipe, isv, seed)]
+            if tails:
+                shape.add_tails(metrics)
+        if bf16_eval:
+            val_steps, acc = metrics[M_VAL_ACC]
+            noise = eval_rng.normal(0, 0.003, acc.size) * (recipe != "bf16")
+            metrics[M_VAL_ACC_BF16_EVAL] = (val_steps, acc - eval_offset.get(recipe, 0.0) + noise)
+        suffix = "-matched" if kernels == MATCHED else ""
+        tags = {"recipe": recipe, "importance_sampling": isv, "seed": str(seed),
+                "cell_id": f"{recipe}-{isv}-{seed}{suffix}"}
+        params = {"recipe": recipe, "loss.importance_sampling": isv, "seed": str(seed), KERNELS_PARAM: kernels}
+        runs.append(RunHistory("", f"{recipe}-{isv}-s{seed}{suffix}", "FINISHED", tags, params, metrics))
     return runs
+
+
+class _Shape:
+    """The per-run histories of `synthetic_runs` (see the module docstring for the formulas)."""
+
+    def __init__(self, steps: int, val_every: int, acc0: float, tails: bool):
+        self.steps, self.acc0, self.tails = steps, acc0, tails
+        self.all_steps = np.arange(steps, dtype=np.int64)
+        self.val_steps = np.unique(np.r_[np.arange(0, steps, val_every), steps - 1]).astype(np.int64)
+
+    def metrics(self, rng: np.random.Generator, recipe: str, isv: str, mm_mean: float, final: float,
+                shared: float, seed_sd: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        steps, all_steps, val_steps = self.steps, self.all_steps, self.val_steps
+        excess = mm_mean - 1.0  # the metric is >= 1 by definition: noise it multiplicatively (0 stays 0)
+        mm = 1.0 + excess * np.exp(rng.normal(0, 0.15) + rng.normal(0, 0.08, steps))
+        target = final + rng.normal(0, seed_sd) + shared
+        acc = self.acc0 + (target - self.acc0) * val_steps / max(steps - 1, 1) + rng.normal(0, 0.004, val_steps.size)
+        acc[-1] = target
+        step_time = STEP_TIME.get(recipe, 1.0) * (1 + rng.normal(0, 0.02, steps))
+        metrics = {
+            "token_mult_prob_error": (all_steps, mm),
+            M_VAL_ACC: (val_steps, acc),
+            "reward_mean": (all_steps, np.interp(all_steps, val_steps, acc) + rng.normal(0, 0.02, steps)),
+            "is_weight_mean": (all_steps, 1 + rng.normal(0, 0.01, steps) * (isv != "none")),
+            "loss": (all_steps, 0.5 * np.exp(-all_steps / steps) + rng.normal(0, 0.01, steps)),
+            "step_time_s": (all_steps, step_time),
+            "tokens_per_s": (all_steps, 1024 / step_time),
+        }
+        if self.tails:
+            self.add_tails(metrics)
+        return metrics
+
+    @staticmethod
+    def add_tails(metrics: dict) -> None:
+        all_steps, mm = metrics["token_mult_prob_error"]
+        for i, key in enumerate(FRAC_METRICS):
+            metrics[key] = (all_steps, np.clip((mm - 1) * 10.0 ** -i, 0, 1))
 
 
 def log_sweep(uri: str, experiment: str, sweep_name: str, runs: Sequence[RunHistory],
@@ -110,10 +159,12 @@ def simulate_cells(rng: np.random.Generator, sims: int, seeds: int, means: Mappi
 
 
 def constant_runs(mismatch: dict[str, list[float]] | None = None, acc: dict[tuple[str, str], list[float]] | None = None,
-                  spikes: dict[tuple[str, int], float] | None = None) -> list[RunHistory]:
+                  spikes: dict[tuple[str, int], float] | None = None,
+                  acc_bf16_eval: dict[tuple[str, str], list[float]] | None = None) -> list[RunHistory]:
     """One run per cell with constant histories. `mismatch`: per recipe, one value per seed, logged by the
-    IS none and token cells of that seed; `acc`: per (recipe, IS), one final accuracy per seed; `spikes`:
-    (recipe, seed) -> a value put on 2 of that seed's IS-none steps."""
+    IS none and token cells of that seed; `acc` (`acc_bf16_eval`): per (recipe, IS), one final
+    val_accuracy (val_accuracy_bf16_eval) per seed; `spikes`: (recipe, seed) -> a value put on 2 of that
+    seed's IS-none steps."""
     cells: dict[tuple[str, str, int], dict] = {}
     for recipe, values in (mismatch or {}).items():
         for seed, v in enumerate(values):
@@ -122,8 +173,9 @@ def constant_runs(mismatch: dict[str, list[float]] | None = None, acc: dict[tupl
                 if isv == "none" and spikes and (recipe, seed) in spikes:
                     mm[[2, 5]] = spikes[(recipe, seed)]
                 cells.setdefault((recipe, isv, seed), {})["token_mult_prob_error"] = (CONST_STEPS, mm)
-    for (recipe, isv), values in (acc or {}).items():
-        for seed, v in enumerate(values):
-            cells.setdefault((recipe, isv, seed), {})["val_accuracy"] = (CONST_STEPS[:4], np.r_[0.1, 0.2, 0.3, v])
+    for key, table in ((M_VAL_ACC, acc), (M_VAL_ACC_BF16_EVAL, acc_bf16_eval)):
+        for (recipe, isv), values in (table or {}).items():
+            for seed, v in enumerate(values):
+                cells.setdefault((recipe, isv, seed), {})[key] = (CONST_STEPS[:4], np.r_[0.1, 0.2, 0.3, v])
     return [RunHistory(f"{r}-{i}-{s}", "", "FINISHED", {"recipe": r, "importance_sampling": i, "seed": str(s)}, {}, m)
             for (r, i, s), m in cells.items()]

@@ -1,7 +1,11 @@
 """The summary table: one row per group (recipe × IS), Markdown for people and CSV for programs.
 
-Per run a number is reduced from its history, then mean ± 95% CI (Student t) is taken over seeds:
+Rows: distinct-kernel runs only (`analysis.kernels`; the matched-kernel floor has its own table,
+`analysis.floor`). Per run a number is reduced from its history, then mean ± 95% CI (Student t) is
+taken over seeds:
 - final_val_accuracy: `val_accuracy` at the run's last validation step (a fraction; Markdown shows %);
+- final_val_accuracy_bf16_eval: `val_accuracy_bf16_eval` there (one BF16 evaluation engine for every
+  arm; empty for runs that did not log it);
 - mismatch: the median over steps of `token_mult_prob_error` (as claims 1–2: a few spikes in the
   hundreds make a mean over steps meaningless; the report's tails table has mean, p99 and max);
 - is_weight_mean, step_time_s, tokens_per_s: the mean over steps (means over seeds, no CI);
@@ -17,24 +21,30 @@ from pathlib import Path
 
 from analysis.aggregate import DEFAULT_GROUP_KEYS, final_value, group_estimates, group_runs, mean_value, median_value
 from analysis.fetch import SweepData
-from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_STEP_TIME, M_TOKENS_PER_S, M_VAL_ACC
+from analysis.kernels import only_kernels
+from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_STEP_TIME, M_TOKENS_PER_S, M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 
 COLUMNS = ("recipe", "importance_sampling", "seeds", "final_val_accuracy", "final_val_accuracy_ci95",
+           "final_val_accuracy_bf16_eval", "final_val_accuracy_bf16_eval_ci95",
            "mismatch", "mismatch_ci95", "is_weight_mean", "step_time_s", "tokens_per_s")
 
 
 def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS) -> list[dict]:
-    """One dict per group with the COLUMNS (group keys beyond recipe/IS are added in front)."""
-    acc = group_estimates(data.runs, M_VAL_ACC, final_value, by)
-    mm = group_estimates(data.runs, M_MISMATCH, median_value, by)
-    isw = group_estimates(data.runs, M_IS_WEIGHT, mean_value, by)
-    st = group_estimates(data.runs, M_STEP_TIME, mean_value, by)
-    tps = group_estimates(data.runs, M_TOKENS_PER_S, mean_value, by)
+    """One dict per group of distinct-kernel runs with the COLUMNS (group keys beyond recipe/IS in front)."""
+    runs = only_kernels(data.runs)
+    acc = group_estimates(runs, M_VAL_ACC, final_value, by)
+    acc_bf16 = group_estimates(runs, M_VAL_ACC_BF16_EVAL, final_value, by)
+    mm = group_estimates(runs, M_MISMATCH, median_value, by)
+    isw = group_estimates(runs, M_IS_WEIGHT, mean_value, by)
+    st = group_estimates(runs, M_STEP_TIME, mean_value, by)
+    tps = group_estimates(runs, M_TOKENS_PER_S, mean_value, by)
     rows = []
-    for group, members in group_runs(data.runs, by).items():
+    for group, members in group_runs(runs, by).items():
         row: dict = dict(zip(by, group))
         row.update(seeds=len(members),
                    final_val_accuracy=acc[group].mean, final_val_accuracy_ci95=acc[group].half,
+                   final_val_accuracy_bf16_eval=acc_bf16[group].mean,
+                   final_val_accuracy_bf16_eval_ci95=acc_bf16[group].half,
                    mismatch=mm[group].mean, mismatch_ci95=mm[group].half, is_weight_mean=isw[group].mean,
                    step_time_s=st[group].mean, tokens_per_s=tps[group].mean)
         rows.append(row)
@@ -56,22 +66,25 @@ def _pm(mean: float, half: float, fmt: str, scale: float = 1.0, unit: str = "") 
 
 def markdown_table(rows: Sequence[dict], by: Sequence[str] = DEFAULT_GROUP_KEYS) -> str:
     """A GitHub-style Markdown table; accuracy in % when the values are fractions."""
-    pct = all(not math.isfinite(r["final_val_accuracy"]) or r["final_val_accuracy"] <= 1.0 for r in rows)
+    accs = [r[k] for r in rows for k in ("final_val_accuracy", "final_val_accuracy_bf16_eval")]
+    pct = all(not math.isfinite(a) or a <= 1.0 for a in accs)
     scale, unit = (100.0, " %") if pct else (1.0, "")
-    head = [*by, "seeds", "final val accuracy", "mismatch (median over steps)", "mean IS weight",
-            "step time (s)", "tokens/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(by) + ["--:"] * 6) + "|"]
+    head = [*by, "seeds", "final val accuracy", "final val accuracy (BF16 eval)", "mismatch (median over steps)",
+            "mean IS weight", "step time (s)", "tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(by) + ["--:"] * 7) + "|"]
     for r in rows:
         cells = [str(r[k]) for k in by] + [
             str(r["seeds"]),
             _pm(r["final_val_accuracy"], r["final_val_accuracy_ci95"], ".1f", scale, unit),
+            _pm(r["final_val_accuracy_bf16_eval"], r["final_val_accuracy_bf16_eval_ci95"], ".1f", scale, unit),
             _pm(r["mismatch"], r["mismatch_ci95"], ".4f"),
             _num(r["is_weight_mean"], ".3f") or "–",
             _num(r["step_time_s"], ".2f") or "–",
             _num(r["tokens_per_s"], ".0f") or "–",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    note = "Mean ± 95% CI half-width over seeds (Student t); no ± with one seed."
+    note = ("Mean ± 95% CI half-width over seeds (Student t); no ± with one seed. Distinct-kernel runs; "
+            "BF16 eval: the same validation samples through one BF16 engine (– where not logged).")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 

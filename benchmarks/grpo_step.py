@@ -1,10 +1,10 @@
 """One GRPO step (generation + training): our core's `grpo_step` vs TRL's `GRPOTrainer`, in one run.
 
 Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--prompts 16] [--group 8] [--max-new-tokens 8]
-           [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e fp32] [--before]
+           [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e fp32 bf16-emulated] [--before]
            [--trl-bf16 | --no-trl-bf16] [--no-trl] [--clock wall|cpu] [--warmstart-steps N] [--dtype bf16|fp32]
            [--cache-dir .fp8rl/warmstart]
-Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`)
+Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`); not with --no-trl
 
 Same on both sides, so that only the implementation differs:
 - model: the warm-start checkpoint of the default run config (the `tiny` preset: Llama, 4 layers, hidden
@@ -32,7 +32,13 @@ Rows of ours: one per `--recipes` entry; `fp32` is the bf16 recipe with both eng
 (model.dtype=fp32: no autocast, no quantization), the floor of the CPU's exact FP8 emulation (its GEMMs
 are FP32). `--dtype fp32` runs every recipe with model.dtype=fp32, the study's setting on a CPU without
 BF16 hardware (AVX2 only: torch's BF16 matmuls there are 10-30x slower than FP32): the bf16 recipe is then
-the fp32 floor, and `--no-trl-bf16` gives TRL the same precision. `--before` adds `fp8_gen` / `fp8_e2e`
+the fp32 floor, and `--no-trl-bf16` gives TRL the same precision. `<recipe>-emulated` / `<recipe>-native`
+(e.g. `bf16-emulated`): the recipe in BF16 with model.bf16_compute=emulated / native, whatever --dtype says;
+a plain recipe takes `auto` (native on CPUs with AVX512_BF16 / AMX, emulated elsewhere: the header says
+which). Issue goal: the emulated BF16 step within 1.15x of the fp32 step (its GEMMs are the same FP32
+GEMMs plus BF16 roundings), printed with the CPU flags that decide `auto`. Every row of ours starts from
+the same checkpoint (the warm start of the first recipe's config, model.path), so that all do the same
+work from the same policy; the fp32 row used to train its own FP32 warm start. `--before` adds `fp8_gen` / `fp8_e2e`
 rows with the pure-torch quantizer and no weight cache (FP8RL_FUSED=0 FP8RL_WEIGHT_CACHE=0: the code paths
 before issue 16), measured in the same run.
 The goals of issue 16 are printed under the table, each with its floor and ratio.
@@ -58,22 +64,35 @@ from generation import environment  # benchmarks/generation.py (this folder is o
 from fp8rl_core.builder import build_context, initial_checkpoint, load_tokenizer
 from fp8rl_core.config import RunConfig, load_run_config
 from fp8rl_core.grpo_step import grpo_step
+from fp8rl_core.model.bf16 import recorded_flags, resolve_bf16_compute
 from fp8rl_core.tasks import Example, make_task
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (the compute time with --threads 1)
 BEFORE_ENV = {"FP8RL_FUSED": "0", "FP8RL_WEIGHT_CACHE": "0"}  # the quantization code paths before issue 16
 
 
+BF16_PATHS = ("emulated", "native")  # `<recipe>-<path>`: the recipe in BF16 with model.bf16_compute=<path>
+
+
 def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
-    """`fp32`: the bf16 recipe with model.dtype=fp32 (both engines FP32); `<recipe> before`: the recipe."""
+    """`fp32`: the bf16 recipe with model.dtype=fp32 (both engines FP32); `<recipe>-emulated` /
+    `<recipe>-native`: the recipe in BF16 with model.bf16_compute emulated / native; `<recipe> before`:
+    the recipe. With args.model_path set every variant starts from that checkpoint."""
     recipe = recipe.removesuffix(" before")
-    fp32 = recipe == "fp32"
-    dtype = ["recipe=bf16", "model.dtype=fp32"] if fp32 else [f"recipe={recipe}", f"model.dtype={args.dtype}"]
+    base, _, path = recipe.rpartition("-")
+    if recipe == "fp32":
+        dtype = ["recipe=bf16", "model.dtype=fp32"]
+    elif path in BF16_PATHS:
+        dtype = [f"recipe={base}", "model.dtype=bf16", f"model.bf16_compute={path}"]
+    else:
+        dtype = [f"recipe={recipe}", f"model.dtype={args.dtype}"]
     overrides = [*dtype, f"threads={args.threads}", "device=cpu",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
                  f"rollout.max_new_tokens={args.max_new_tokens}", f"warmstart.cache_dir={args.cache_dir}"]
     if args.warmstart_steps is not None:
         overrides.append(f"warmstart.steps={args.warmstart_steps}")
+    if getattr(args, "model_path", None):
+        overrides.append(f"model.path={args.model_path}")
     return load_run_config(None, overrides)
 
 
@@ -233,8 +252,8 @@ def row(name: str, r: dict[str, Any], baseline: float | None) -> str:
 
 
 def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None, dtype: str = "bf16") -> None:
-    """Issue 16's step goals: ratio, goal, and the floor each ratio is taken against. With --dtype fp32
-    the bf16 recipe runs in plain FP32, so it is the fp32 floor."""
+    """Issue 16's step goals, and the emulated-BF16 goal: ratio, goal, and the floor each ratio is taken
+    against. With --dtype fp32 the bf16 recipe runs in plain FP32, so it is the fp32 floor."""
     step = {k: statistics.median(r["times"]) for k, r in ours.items()}
     gen = {k: statistics.median(r["gen"]) for k, r in ours.items()}
     if dtype == "fp32" and "bf16" in step and "fp32" not in step:
@@ -243,6 +262,11 @@ def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None, d
     if "bf16" in step and trl_r:
         trl = statistics.median(trl_r["times"])
         lines.append(f"TRL / ours bf16 step          {trl / step['bf16']:6.2f}x   goal >= 2    (floor: ours bf16)")
+    flags = recorded_flags() or "-"
+    for k in (k for k in step if k.endswith("-emulated") and "fp32" in step):
+        lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   goal <= 1.15 (floor: fp32; "
+                     f"CPU flags {flags})")
+        lines.append(f"{k + ' / ours fp32 gen':<30}{gen[k] / gen['fp32']:6.2f}x   (reported)")
     for k in (k for k in step if k.startswith("fp8")):
         if "fp32" in step:
             lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   goal <= 1.25 (floor: fp32)")
@@ -251,7 +275,7 @@ def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None, d
             lines.append(f"{k + ' / ours bf16 step':<30}{step[k] / step['bf16']:6.2f}x   (reported)")
     if "fp32" in step and "bf16" in step:
         lines.append(f"{'fp32 / ours bf16 step':<30}{step['fp32'] / step['bf16']:6.2f}x   (the FP32 floor vs BF16)")
-    print("\n".join(["goals (issue 16):", *lines]))
+    print("\n".join(["goals (issue 16; emulated BF16):", *lines]))
 
 
 def main() -> None:
@@ -263,7 +287,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first, per side")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
     ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e", "fp32"],
-                    help="recipes, and fp32 (both engines FP32, no quantization)")
+                    help="recipes, fp32 (both engines FP32, no quantization), and <recipe>-emulated / "
+                         "<recipe>-native (model.bf16_compute; e.g. bf16-emulated)")
     ap.add_argument("--before", action="store_true", help="add fp8 rows without issue 16's changes")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                     help="model.dtype of every recipe: fp32 is the study's setting on CPUs without BF16 "
@@ -283,12 +308,17 @@ def main() -> None:
     load0 = os.getloadavg()
     cfg = run_config(args, args.recipes[0])
     ckpt = initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=True)
-    import transformers
-    import trl
+    args.model_path = str(ckpt)  # every variant of ours starts from it
+    versions = ""
+    if args.trl:
+        import transformers
+        import trl
 
+        versions = f"trl {trl.__version__}, transformers {transformers.__version__}, "
     print(f"P x G = {args.prompts} x {args.group}, max new tokens {args.max_new_tokens}, {args.steps} measured steps "
           f"after {args.warmup} warm-up, torch {torch.__version__} threads {torch.get_num_threads()}, "
-          f"trl {trl.__version__}, transformers {transformers.__version__}, model {ckpt}")
+          f"{versions}model {ckpt}")
+    print(f"CPU flags {recorded_flags() or '-'}: model.bf16_compute auto -> {resolve_bf16_compute('auto', 'cpu')} here")
     names = list(args.recipes) + [f"{r} before" for r in args.recipes if args.before and r.startswith("fp8")]
     ours = time_ours(args, names)
     trl_r = time_trl(cfg, ckpt, ours[args.recipes[0]]["rng"], args) if args.trl else None

@@ -9,6 +9,7 @@ its own generation engine whose sampling seed is `rank_seed(seed, rank)` (rank 0
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ import torch
 from fp8rl_core.config import RunConfig
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.grpo_step import RunContext
+from fp8rl_core.model import bf16
 from fp8rl_core.recipes import get_recipe
 from fp8rl_core.schema import ConfigError
+from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -32,6 +35,25 @@ def resolve_device(cfg: RunConfig) -> str:
 
 def compute_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+
+
+def bf16_path(cfg: RunConfig, device: str) -> str:
+    """The BF16 path that runs: "native" or "emulated" (model.bf16_compute resolved on this machine;
+    fp8rl_core/model/bf16.py), or "none" when model.dtype is fp32 (nothing runs in BF16)."""
+    return bf16.bf16_path(cfg.model.dtype, cfg.model.bf16_compute, device)
+
+
+def emulates_bf16(cfg: RunConfig, device: str) -> bool:
+    return bf16_path(cfg, device) == "emulated"
+
+
+def numerics_tags(cfg: RunConfig, device: str) -> dict[str, str]:
+    """What computed this attempt, as MLflow tags (not params: a resume on another node may differ):
+    the BF16 path, the CPU flags that decided it, and the FP8 GEMM executor."""
+    from fp8rl_core.fp8.gemm import select_executor
+
+    return {TAG_BF16_COMPUTE: bf16_path(cfg, device), TAG_CPU_FLAGS: bf16.recorded_flags() or "-",
+            TAG_FP8_GEMM: select_executor(device)}
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
@@ -83,7 +105,8 @@ def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = 
                                 cpu_offload=cfg.parallel.cpu_offload,
                                 activation_checkpointing=cfg.parallel.activation_checkpointing,
                                 grad_reduce=cfg.parallel.grad_reduce,
-                                reshard_after_forward=cfg.parallel.reshard_after_forward)
+                                reshard_after_forward=cfg.parallel.reshard_after_forward,
+                                emulate_bf16=emulates_bf16(cfg, device))
 
 
 def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:
@@ -97,7 +120,8 @@ def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE
     return ReferencePolicy(load_pretrained(path, dtype=dtype), device=device,
                            fp8=get_recipe(cfg.recipe).fp8_training, fp8_spec=cfg.fp8,
                            temperature=cfg.rollout.temperature, compute_dtype=dtype, mesh=mesh,
-                           logprob_batch_size=cfg.train.logprob_batch_size, cpu_offload=cfg.parallel.cpu_offload)
+                           logprob_batch_size=cfg.train.logprob_batch_size, cpu_offload=cfg.parallel.cpu_offload,
+                           emulate_bf16=emulates_bf16(cfg, device))
 
 
 def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank: int = 0) -> Any:
@@ -108,7 +132,21 @@ def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank
     from fp8rl_core.engines.native_gen import NativeGenerationEngine
 
     return NativeGenerationEngine(model_config, fp8=get_recipe(cfg.recipe).fp8_generation, fp8_spec=cfg.fp8,
-                                  dtype=compute_dtype(cfg), device=device, seed=rank_seed(cfg.seed, rank))
+                                  dtype=compute_dtype(cfg), device=device, seed=rank_seed(cfg.seed, rank),
+                                  emulate_bf16=emulates_bf16(cfg, device))
+
+
+def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, device: str, rank: int = 0) -> Any:
+    """The arm's generation backend run in BF16 (the bf16 recipe's engine) beside an FP8 one, or None when
+    the arm generates in BF16 already: the engine-neutral evaluation (val_accuracy_bf16_eval) and
+    fp8_gen's matched-kernel replay. vLLM: a second engine, started asleep like the first."""
+    if not get_recipe(cfg.recipe).fp8_generation:
+        return None
+    bf16_cfg = dataclasses.replace(cfg, recipe="bf16", output_dir=str(Path(cfg.output_dir) / "bf16_engine"))
+    gen = build_generation_engine(bf16_cfg, model_config, device, rank)
+    if cfg.engines.generation == "vllm":
+        gen.start(path)
+    return gen
 
 
 def build_trainers(cfg: RunConfig, path: Path, device: str, mesh: Mesh) -> tuple[Any, Any]:
@@ -154,7 +192,10 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
 
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
     gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
-    gen.refit(train.weights())
-    return RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
-                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
-                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh)
+    ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
+                     data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
+                     shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh,
+                     bf16_gen=build_bf16_generation_engine(cfg, path, model_config, device, mesh.rank),
+                     numerics=numerics_tags(cfg, device))
+    ctx.refit_generation()
+    return ctx

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.print_config:
         print(f"# run id {run_config_hash(cfg)}")
+        print(f"# {bf16_path_note(cfg)}")
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     from fp8rl_core.run import RunFailed, run
@@ -51,6 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     if detect_rank_env().rank == 0:  # one summary per run, not one per rank
         print(json.dumps({k: round(v, 6) for k, v in summary.items()}, indent=1))
     return 0
+
+
+def bf16_path_note(cfg) -> str:
+    """Which BF16 path this config takes on this machine, and why (model.bf16_compute resolved here)."""
+    from fp8rl_core.builder import bf16_path, resolve_device
+    from fp8rl_core.model.bf16 import recorded_flags
+
+    device = resolve_device(cfg)
+    path = bf16_path(cfg, device)
+    if path == "none":
+        return "BF16 path: none (model.dtype fp32: nothing runs in BF16)"
+    why = "CUDA" if device.startswith("cuda") else f"CPU flags: {recorded_flags() or 'none of avx2/avx512/amx'}"
+    return f"BF16 path: {path} (model.bf16_compute={cfg.model.bf16_compute} on {device}; {why})"
 
 
 def _check_world_size(cfg) -> None:

@@ -23,6 +23,11 @@ class ModelSpec:
     preset: str = "tiny"  # a built-in preset (fp8rl_core.model.config.PRESETS); ignored when `path` is set
     path: str | None = None  # local HF checkpoint folder (config.json + *.safetensors)
     dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of the BF16 parts: attention, norms, embeddings, head
+    # how BF16 matrix products run: native kernels, or emulated exactly (FP32 on the BF16 operands,
+    # rounded to BF16; fp8rl_core/model/bf16.py); auto: native on CUDA and on CPUs with AVX512_BF16 / AMX.
+    # The same BF16 numerics up to kernel internals (summation order; native attention also rounds its
+    # probabilities to BF16), so it is not part of the cell id; no effect with dtype fp32
+    bf16_compute: Literal["auto", "native", "emulated"] = "auto"
 
     def validate(self) -> None:
         from fp8rl_core.model.config import PRESETS
@@ -37,6 +42,10 @@ class Fp8Spec:
     bf16_first_layers: int = 0  # keep the first N transformer blocks' linears in BF16
     bf16_last_layers: int = 0  # keep the last N blocks' linears in BF16
     check_finite: bool = True  # raise on NaN/inf before quantizing (costs one reduction per tensor)
+    # what the trainer's Fp8Linear quantizes: the BF16 rounding of the FP32 master (what the generation
+    # engine is refit with and quantizes, as vLLM and a Megatron+TE trainer with BF16 parameters do), or
+    # the FP32 master itself (one side only: xtuner #2044's ~23x k3 KL). No effect with model.dtype fp32
+    quantize_from: Literal["bf16", "master"] = "bf16"
 
     def validate(self) -> None:
         if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
@@ -59,6 +68,9 @@ class TaskSpec:
     warmstart_digits: int | None = None
     warmstart_full_fraction: float = 0.0  # share of warm-start examples with operands of up to `digits` digits
     warmstart_label_noise: float = 0.0  # share of warm-start targets with one digit corrupted
+    # arithmetic: work the answer out by place value first ("37-59=" -> "30-50=-20;7-9=-2;-20+-2=-22:-22"),
+    # longer responses for the same answers; rewarded on the text after the last ":" (+ and - only)
+    scratchpad: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.min_digits <= self.digits <= 9:
@@ -217,6 +229,10 @@ class EngineSpec:
     training: Literal["native", "megatron"] = "native"  # megatron: Megatron-Core + Transformer Engine (CUDA)
     vllm: VllmSpec = field(default_factory=VllmSpec)  # vLLM's memory, parallelism and colocation (generation=vllm)
     megatron: MegatronSpec = field(default_factory=MegatronSpec)  # Megatron-Core's parallel layout (training=megatron)
+    # distinct: each engine its own kernels (the study). matched: the trainer's log-prob pass replays the
+    # generation engine's own computation (same kernels, shapes, decode order, quantized weights) at the
+    # trainer's precision: the zero-mismatch floor (bf16 and fp8_e2e log exactly 1). Native engines only
+    kernels: Literal["distinct", "matched"] = "distinct"
 
 
 @dataclass
@@ -290,6 +306,15 @@ class RunConfig:
     def validate(self) -> None:
         if self.recipe not in RECIPES:
             fail("recipe", f"unknown recipe {self.recipe!r}", ", ".join(RECIPES))
+        native_only = [k for k, v in (("engines.generation", self.engines.generation),
+                                      ("engines.training", self.engines.training)) if v != "native"]
+        if native_only and self.model.bf16_compute == "emulated":
+            fail("model.bf16_compute", f"emulated BF16 runs in the native engines only; {native_only[0]} is "
+                                       "not native (vLLM and Megatron-Core run native BF16 kernels)",
+                 "auto or native, or native engines")
+        if native_only and self.engines.kernels == "matched":
+            fail("engines.kernels", f"matched kernels replay the native generation engine; {native_only[0]} "
+                                    "is not native", "distinct, or native engines")
         if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
             fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
                                 "BF16/FP16 activations only (fp32 is refused)",
@@ -297,12 +322,20 @@ class RunConfig:
 
 
 # Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
-HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "parallel.timeout_s", "diagnostics")
+# model.bf16_compute: native and emulated BF16 differ in kernel internals only (summation order, and
+# native attention's BF16 rounding of its probabilities), like `threads`: the same recipe, not a new cell.
+HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "parallel.timeout_s", "diagnostics",
+                "model.bf16_compute")
 # Sections added after cell ids existed: hashed only where they differ from their defaults, so that the
 # id of every config written before them (and of every config that leaves them alone) stays the same.
 # A value is the default itself, or the spec class whose default instance is it.
 HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
-                                       "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True}
+                                       "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
+                                       "engines.kernels": "distinct", "task.scratchpad": False}
+# Keys that matter only to recipes that train in FP8: dropped from the id of the others. fp8.quantize_from
+# changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so fp8_e2e's
+# ids changed with it and an old fp8_e2e result is never taken for a new one; bf16 and fp8_gen keep theirs.
+HASH_FP8_TRAINING_ONLY = ("fp8.quantize_from",)
 
 
 def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
@@ -341,19 +374,37 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
 
 
 def hashed_dict(cfg: RunConfig) -> dict[str, Any]:
-    """What a cell's id hashes: the config as a plain dict minus the HASH_EXCLUDE fields."""
-    data = to_dict(cfg)
+    """What a cell's id hashes: the config as a plain dict minus what does not change its numerics."""
+    return strip_unhashed(to_dict(cfg))
+
+
+def strip_unhashed(data: dict[str, Any]) -> dict[str, Any]:
+    """A config dict -> the same minus HASH_EXCLUDE, the HASH_IF_NOT_DEFAULT keys at their defaults and
+    HASH_FP8_TRAINING_ONLY for a recipe that does not train in FP8. Copy-on-write: nested dicts on the way
+    to a removed key are copied, so a dict that shares sections with another (launchers' fast id) is safe."""
+    recipe = RECIPES.get(data.get("recipe", ""))
+    drop = [*HASH_EXCLUDE, *(HASH_FP8_TRAINING_ONLY if recipe is not None and not recipe.fp8_training else ())]
     for key, default in HASH_IF_NOT_DEFAULT.items():
-        parent, _, leaf = key.rpartition(".")
-        node = get_dotted(data, parent)
-        if isinstance(node, dict) and node.get(leaf) == (to_dict(default()) if isinstance(default, type) else default):
-            node.pop(leaf)
-    for key in HASH_EXCLUDE:
-        parent, _, leaf = key.rpartition(".")
-        node = get_dotted(data, parent) if parent else data
-        if isinstance(node, dict):
-            node.pop(leaf, None)
+        value = get_dotted(data, key, _MISSING)
+        if value == (to_dict(default()) if isinstance(default, type) else default):
+            drop.append(key)
+    for key in drop:
+        _drop(data, key)
     return data
+
+
+_MISSING = object()
+
+
+def _drop(data: dict[str, Any], key: str) -> None:
+    """Remove a dotted key from `data` (top level in place; nested dicts on the path copied first)."""
+    if get_dotted(data, key, _MISSING) is _MISSING:
+        return
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node[part] = node = dict(node[part])
+    node.pop(leaf)
 
 
 def run_config_hash(cfg: RunConfig, length: int = 12) -> str:

@@ -13,6 +13,11 @@ training forward runs under the same weights that scored the batch, so its detac
 old log-probs; IS weights are computed from them before the loss (ratio exp(lp - lp.detach()) = 1 with
 the policy gradient) and one forward pass is saved.
 
+With `engines.kernels: matched` step 3 replays the generation engine's own computation instead
+(`NativeGenerationEngine.score`: the same kernels, batch shapes and decode order, the same quantized
+weights) at the trainer's precision: the zero-mismatch floor. The gradient still comes from the
+training forward, whose ratio to these old log-probs then carries the kernel difference.
+
 Data parallel (world size W > 1, docs/design.md "Scale-out"): every rank draws the same P prompts from the
 shared data RNG and keeps its P/W whole GRPO groups (rank r: prompts [r P/W, (r+1) P/W)), generates them
 with its own engine and sampling stream, trains on them; loss and metrics are global and token-weighted.
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -40,6 +45,7 @@ from fp8rl_core.engines.base import GenerationEngine, SamplingParams, TrainBatch
 from fp8rl_core.fp8.gemm import executor_flags
 from fp8rl_core.importance import compute_importance, importance_stats
 from fp8rl_core.metrics import token_mult_prob_error
+from fp8rl_core.recipes import get_recipe
 from fp8rl_core.rollout import broadcast_advantages, build_train_batch, split_rows
 from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
 
@@ -55,6 +61,32 @@ class RunContext:
     data_rng: random.Random  # prompt sampling, the same on every rank; its state is checkpointed
     shuffle: torch.Generator  # minibatch order; its state is checkpointed
     mesh: Mesh = SINGLE  # this process's rank and world size (fp8rl_core/distributed)
+    # a BF16 generation engine beside an FP8 one (None for a recipe that generates in BF16, whose own
+    # engine serves): the engine-neutral evaluation (val_accuracy_bf16_eval) and, for fp8_gen, the
+    # matched-kernel replay at the trainer's precision. Refit lazily, only when used (bf16_engine)
+    bf16_gen: GenerationEngine | None = None
+    numerics: dict[str, str] = field(default_factory=dict)  # what ran: BF16 path, CPU flags (MLflow tags)
+    _bf16_stale: bool = True
+
+    def refit_generation(self) -> None:
+        """Refit the generation engine from the trainer's current weights (after every update)."""
+        self.gen.refit(self.train.weights())
+        self._bf16_stale = True
+
+    def bf16_engine(self) -> GenerationEngine:
+        """The BF16 generation engine on the trainer's current weights (the arm's own if it is BF16)."""
+        if self.bf16_gen is None:
+            return self.gen
+        if self._bf16_stale:
+            self.bf16_gen.refit(self.train.weights())
+            self._bf16_stale = False
+        return self.bf16_gen
+
+    def replay_engine(self) -> GenerationEngine:
+        """engines.kernels matched: the generation engine at the trainer's precision (its own engine when
+        both sides quantize alike: bf16, fp8_e2e; the BF16 engine for fp8_gen's BF16 trainer)."""
+        recipe = get_recipe(self.cfg.recipe)
+        return self.gen if recipe.fp8_generation == recipe.fp8_training else self.bf16_engine()
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -94,6 +126,15 @@ def _importance_fn(cfg: RunConfig):
                                   s.importance_sampling, cap=s.is_cap, low=s.is_low, high=s.is_high).weights
 
     return weigh
+
+
+def replayed_logprobs(ctx: RunContext, prompts: list[list[int]], out: Any, batch: TrainBatch) -> torch.Tensor:
+    """engines.kernels matched: Float32[B, T] old log-probs from `ctx.replay_engine().score`, the
+    generation engine's computation replayed in decode order on the trainer's weights, placed where
+    batch.gen_logprobs sits (rollout.build_train_batch's layout); 0 off response_mask."""
+    lp = ctx.replay_engine().score(prompts, out, ctx.cfg.rollout.temperature)
+    placed = build_train_batch(prompts, replace(out, logprobs=lp.cpu()), ctx.tokenizer.pad_id).gen_logprobs
+    return placed.to(batch.gen_logprobs.device)
 
 
 def _train(ctx: RunContext, batch: TrainBatch, reuse: bool) -> dict[str, float]:
@@ -156,15 +197,19 @@ def grpo_step(ctx: RunContext) -> dict[str, float]:
     adv = grpo.group_advantages(rewards).reshape(-1)
     batch.advantages = broadcast_advantages(adv, batch.response_mask)
     mask = batch.response_mask
-    reuse = reuses_old_logprobs(ctx.cfg) and hasattr(ctx.train, "last_old_logprobs")
-    if not reuse:
+    matched = ctx.cfg.engines.kernels == "matched"
+    reuse = reuses_old_logprobs(ctx.cfg) and hasattr(ctx.train, "last_old_logprobs") and not matched
+    if matched:  # the old log-probs replay the generation engine's computation (the zero-mismatch floor)
+        batch.old_logprobs = replayed_logprobs(ctx, prompts, out, batch)
+        batch.is_weights = _importance_fn(ctx.cfg)(batch)
+    elif not reuse:
         batch.old_logprobs = ctx.train.logprobs(batch)
         batch.is_weights = _importance_fn(ctx.cfg)(batch)
     if ctx.ref is not None:
         batch.ref_logprobs = ctx.ref.logprobs(batch)
     t_train = time.perf_counter()
     train_metrics = _train(ctx, batch, reuse)
-    ctx.gen.refit(ctx.train.weights())
+    ctx.refit_generation()
     train_s = time.perf_counter() - t_train
     isw = compute_importance(batch.old_logprobs, batch.gen_logprobs, mask, loss_cfg.importance_sampling,
                              cap=loss_cfg.is_cap, low=loss_cfg.is_low, high=loss_cfg.is_high)

@@ -15,6 +15,8 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
     reference   2 N / W          frozen BF16 policy for the KL term (kl_coef > 0 only)
     gen_weights 2 N              the generation engine's own copy, unsharded on every rank; FP8
                                  generation: 1 B per block-linear parameter, BF16 for the rest
+    bf16_engine 2 N              FP8-generation recipes: a BF16 generation engine beside the FP8 one
+                                 (val_accuracy_bf16_eval, fp8_gen's matched-kernel replay)
   then the largest of three phases:
     generation  b_gen x (prompt + new) x L x 2 x kv_dim x 2 B       KV cache (BF16); b_gen: the native engine
                                                                     decodes all rows_r = rows / W at once; vLLM
@@ -48,6 +50,9 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
   tensor_parallel_size > 1 both split over its GPUs). With sleep mode (engines.vllm.sleep_between_steps)
   both exist only in the generation phase (sleep(level=1) moves the weights to the host, `host:
   gen_weights`, and frees the KV pool while the trainer runs); without it they are resident in every phase.
+  The BF16 evaluation engine of an FP8-generation recipe is a second vLLM engine: its weights (2 N / TP)
+  sleep on the host too, and count in the generation phase (validation wakes it while the FP8 engine's
+  refit weights are awake).
   Megatron training (Layout.trainer_sharded False): the engine runs one replica per rank, so params,
   optimizer and gradients are not divided by W (see engines/megatron_train.py check_layout).
 
@@ -82,6 +87,7 @@ class Layout:
     reference: bool = False  # a frozen reference policy (loss.kl_coef > 0)
     fp8_training: bool = False
     fp8_generation: bool = False
+    bf16_engine: bool = False  # a BF16 generation engine beside an FP8 one (builder.build_bf16_generation_engine)
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
     paged_kv: bool = False  # vLLM: paged KV, as many sequences as memory allows (counted: generation_batch_size or 1)
@@ -215,13 +221,17 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
         kv = lay.vllm_kv_cache_bytes or (min(lay.vllm_concurrency or rows, rows)
                                          * (lay.vllm_max_model_len or lay.tokens) * kv_token)
         gen = {"gen_weights": gen_weights // tp, "kv_cache": kv // tp}
+        if lay.bf16_engine:
+            gen["bf16_engine"] = 2 * p.total // tp
         if lay.vllm_sleep:
-            host["gen_weights"] = gen["gen_weights"]  # sleep(level=1) while the trainer runs
+            host.update({k: gen[k] for k in ("gen_weights", "bf16_engine") if k in gen})  # asleep while training
         else:
             resident.update(gen)
             gen = {}
     else:
         resident["gen_weights"] = gen_weights
+        if lay.bf16_engine:
+            resident["bf16_engine"] = 2 * p.total
         gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
         gen = {"kv_cache": gen_rows * lay.tokens * kv_token}
     b_lp = lay.logprob_batch_size or rows
@@ -292,7 +302,7 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
                   grad_reduce_per_step=getattr(par, "grad_reduce", "micro_batch") == "step",
                   reshard_after_forward=bool(getattr(par, "reshard_after_forward", True)),
                   reference=cfg.loss.kl_coef > 0, fp8_training=recipe.fp8_training,
-                  fp8_generation=recipe.fp8_generation,
+                  fp8_generation=recipe.fp8_generation, bf16_engine=recipe.fp8_generation,
                   device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
                   paged_kv=cfg.engines.generation == "vllm")
 

@@ -13,6 +13,7 @@ writes diagnostics; all ranks checkpoint. The world size is an MLflow tag (`worl
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from fp8rl_core.evaluate import validation_metrics
 from fp8rl_core.grpo_step import RunContext, grpo_step, sampling_params
 from fp8rl_core.hold import hold_after
 from fp8rl_core.schema import flatten, to_dict
+from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
+from fp8rl_core.tracking import TAG_BF16_COMPUTE as TAG_BF16_PATH
 from fp8rl_core.tracking.sink import NullSink, make_run_sink
 
 
@@ -39,7 +42,8 @@ def _capture(ctx: RunContext, step: int) -> dict[str, Any]:
     """This rank's non-tensor state: prompt-sampling RNG, minibatch shuffle, sampler, torch RNG.
     (Model, optimizer and engine step go through DCP: ckpt.EngineState.)"""
     return {"step": step, "data_rng": ctx.data_rng.getstate(), "shuffle": ctx.shuffle.get_state(),
-            "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state()}
+            "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "bf16_compute": ctx.numerics.get(TAG_BF16_PATH, "")}
 
 
 def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> int:
@@ -49,13 +53,24 @@ def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> i
     (prompt sampling, torch RNG) is taken from rank 0; this rank's sampler and shuffle streams stay
     as freshly seeded — a resharded resume is statistically, not bitwise, the same run.
     """
+    _warn_on_path_switch(ctx, rank_state.get("bf16_compute"))
     ctx.data_rng.setstate(_as_tuple(rank_state["data_rng"]))
     torch.set_rng_state(rank_state["torch_rng"])
     if own:
         ctx.shuffle.set_state(rank_state["shuffle"])
         ctx.gen.generator.set_state(rank_state["gen_rng"])
-    ctx.gen.refit(ctx.train.weights())
+    ctx.refit_generation()
     return int(rank_state["step"])
+
+
+def _warn_on_path_switch(ctx: RunContext, before: str | None) -> None:
+    """A resume on a machine that resolves model.bf16_compute to the other path: same numerics by
+    definition (summation order aside), so it goes on, but says so (the attempt's tag records it)."""
+    now = ctx.numerics.get(TAG_BF16_PATH, "")
+    if before and now and before != now and ctx.mesh.is_rank0:
+        warnings.warn(f"{ctx.cfg.output_dir}: resuming with BF16 path {now!r}, the checkpoint was written with "
+                      f"{before!r} (model.bf16_compute={ctx.cfg.model.bf16_compute!r} on another CPU kind?); the "
+                      "results stay BF16 but their summation order changes from here on", stacklevel=2)
 
 
 def _as_tuple(x: Any) -> Any:
@@ -64,7 +79,13 @@ def _as_tuple(x: Any) -> Any:
 
 
 def _validate(ctx: RunContext) -> dict[str, float]:
-    return validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling_params(ctx.cfg), ctx.cfg.train.val_samples)
+    """Validation on the arm's own generation engine, and `val_accuracy_bf16_eval`: the same prompts and
+    sampling seed through the BF16 engine (the arm's own for a BF16-generating recipe)."""
+    sampling, samples = sampling_params(ctx.cfg), ctx.cfg.train.val_samples
+    out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples)
+    neutral = out if ctx.bf16_gen is None else validation_metrics(ctx.bf16_engine(), ctx.tokenizer, ctx.task,
+                                                                  sampling, samples)
+    return {**out, M_VAL_ACC_BF16_EVAL: neutral[M_VAL_ACC]}
 
 
 def _is_val_step(cfg: RunConfig, step: int) -> bool:
@@ -130,7 +151,8 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
     sink = make_run_sink(cfg, out_dir, resume_step=done) if rank0 else NullSink()
     if done == 0:
         sink.log_params(flatten(to_dict(cfg)))
-    sink.set_tags({"world_size": ctx.mesh.world_size})  # a tag, not a param: a resumed run may reshard
+    # tags, not params: a resumed run may reshard, or run on another CPU kind (per attempt)
+    sink.set_tags({"world_size": ctx.mesh.world_size, **ctx.numerics})
     last: dict[str, float] = {}
     bar = tqdm(total=cfg.train.steps, initial=done, desc=f"{cfg.recipe}/IS={cfg.loss.importance_sampling}"
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)

@@ -21,13 +21,20 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from fp8rl_core.config import RunConfig
+from fp8rl_core.model import bf16
 from fp8rl_core.schema import stable_hash, to_dict
 
 
 def warmstart_key(cfg: RunConfig) -> str:
-    ws = to_dict(cfg.warmstart)
+    ws, model = to_dict(cfg.warmstart), to_dict(cfg.model)
     ws.pop("cache_dir")
-    return stable_hash({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "warmstart": ws})
+    model.pop("bf16_compute")  # summation order only (like threads): one warm start for both BF16 paths
+    return stable_hash({"model": model, "task": to_dict(cfg.task), "warmstart": ws})
+
+
+def _emulates_bf16(cfg: RunConfig) -> bool:
+    """The warm start honours model.bf16_compute (it runs on the CPU)."""
+    return bf16.bf16_path(cfg.model.dtype, cfg.model.bf16_compute, "cpu") == "emulated"
 
 
 def sft_batch(examples: list, tokenizer: Any, task: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +75,8 @@ def dev_accuracy(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: A
     from fp8rl_core.evaluate import greedy_accuracy
 
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    gen = NativeGenerationEngine(model.config, fp8=False, dtype=dtype, device="cpu", seed=0)
+    gen = NativeGenerationEngine(model.config, fp8=False, dtype=dtype, device="cpu", seed=0,
+                                 emulate_bf16=_emulates_bf16(cfg))
     gen.refit(model.state_dict())
     return greedy_accuracy(gen, tokenizer, task, examples, cfg.rollout.max_new_tokens)
 
@@ -83,6 +91,8 @@ def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, pr
     done = {"steps": 0, "final_loss": float("nan"), "dev_accuracy": float("nan")}
     if ws.steps == 0:  # RL straight from the initialization (e.g. for benchmarks)
         return done
+    if _emulates_bf16(cfg):
+        bf16.emulate_bf16_matmuls(model)  # same parameters and state_dict: the checkpoint is unchanged
     rng = random.Random(cfg.task.data_seed + 1)
     dev = dev_examples(cfg, task) if ws.target_accuracy is not None else []
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)

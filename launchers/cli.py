@@ -122,8 +122,11 @@ def report(args: argparse.Namespace) -> int:
     if parent is None:
         print(f"sweep report: no runs of sweep {sweep.experiment!r} at {uri}; run it first", file=sys.stderr)
         return 1
+    # a grid's cells as the file is now: child runs of cells it no longer has are left out (and counted);
+    # a search's trials are whatever Optuna asked for, so every child run of its parent counts
+    cell_ids = None if sweep.spec.search is not None else [c.id for c in expand_grid(sweep).cells]
     paths = make_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report", parent,
-                        config=AnalysisConfig.from_dict(sweep.spec.analysis))
+                        config=AnalysisConfig.from_dict(sweep.spec.analysis), cell_ids=cell_ids)
     if args.json:
         print(json.dumps(paths.verdicts, indent=2))
         return 0

@@ -11,6 +11,8 @@ bash scripts/setup.sh
 # cores, but on a shared 2-core machine a 2-thread warm start slows ~5x as soon as another process holds a
 # core (measured: 1.21 s/step at 2 threads vs 0.22 s/step at 1 thread, side by side under the same load).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# BF16 is native where the CPU has BF16 dot products (AVX512_BF16 / AMX), emulated exactly elsewhere
+fp8rl-train --print-config | sed -n 's/^# \(BF16 path: .*\)/\1/p'
 sweep run sweeps/fp8_ablation.yaml "$@"
 echo
 echo "See the runs in the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1"

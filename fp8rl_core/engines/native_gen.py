@@ -38,8 +38,9 @@ import torch.nn.functional as F
 from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.kv_cache import KVCache, decode_attention, group_prompts, prefill_attention
-from fp8rl_core.engines.sampling import sample_next, validate_sampling
+from fp8rl_core.engines.sampling import sample_next, tempered, validate_sampling
 from fp8rl_core.fp8 import Fp8Weight, fp8_linear, quantize_weight
+from fp8rl_core.model import bf16
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.rope import inv_freq as rope_inv_freq
 
@@ -61,20 +62,24 @@ class FusedLinear:
     power_of_two: bool = False
     check_finite: bool = False
     packed: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (BF16 on CPU), see pack_for_cpu
+    emulate_bf16: bool = False  # BF16 product emulated in FP32 (model.bf16_compute: emulated; model/bf16.py)
+    upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None  # FP32 copies of the BF16 weight and bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, Fp8Weight):
             return fp8_linear(x, self.weight, power_of_two=self.power_of_two, check_finite=self.check_finite)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.upcast is not None and x.dtype == torch.bfloat16:  # = bf16.linear(emulate=True), weights upcast once
+            return F.linear(x.float(), *self.upcast).to(torch.bfloat16)
+        return bf16.linear(x, self.weight, self.bias, emulate=self.emulate_bf16)
 
     def pack_for_cpu(self) -> None:
         """Reorder a BF16 CPU weight once into oneDNN's blocked layout, as inference runtimes prepack
         (torch.compile's CPU freezing does the same): F.linear would reorder it on every call. The
         result is bitwise that of F.linear; checked on a probe, and skipped where oneDNN is missing."""
         w = self.weight
-        if isinstance(w, Fp8Weight) or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if isinstance(w, Fp8Weight) or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.emulate_bf16:
             return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 128)
@@ -101,8 +106,8 @@ class Block:
     down: FusedLinear
 
 
-def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spec: Fp8Spec | None
-                ) -> FusedLinear:
+def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spec: Fp8Spec | None,
+                emulate_bf16: bool = False) -> FusedLinear:
     """Concatenate [N_i, K] weights along N (biases likewise); quantize when spec is given (FP8 layer).
 
     For FP8 every shard is zero-padded to a multiple of 128 rows first (see the module docstring).
@@ -122,7 +127,9 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
     bias = cat([b if b is not None else mats[i].new_zeros(sizes[i]) for i, b in enumerate(biases)]) \
         if has_bias else None
     if spec is None:
-        linear = FusedLinear(weight, bias, starts, sizes)
+        linear = FusedLinear(weight, bias, starts, sizes, emulate_bf16=emulate_bf16)
+        if emulate_bf16 and weight.dtype == torch.bfloat16:  # upcast once per refit, not per call (exact)
+            linear.upcast = (weight.float(), None if bias is None else bias.float())
         linear.pack_for_cpu()
         return linear
     q = quantize_weight(weight, bias, power_of_two=spec.power_of_two_scales)
@@ -165,12 +172,16 @@ class NativeGenerationEngine:
 
     config: the architecture; fp8: quantize block linears (FP8 recipes); fp8_spec: power-of-two scales,
     first/last blocks kept in `dtype`, finiteness checks; dtype: dtype of the weight copy, activations,
-    KV cache and logits (BF16; FP32 for tests); seed: seeds the engine's sampling generator.
+    KV cache and logits (BF16; FP32 for tests); seed: seeds the engine's sampling generator;
+    emulate_bf16: run every BF16 matrix product (linears, attention, LM head) as FP32 on the upcast
+    operands, rounded to BF16 (model.bf16_compute: emulated; fp8rl_core/model/bf16.py).
     """
 
     def __init__(self, config: ModelConfig, *, fp8: bool = False, fp8_spec: Fp8Spec | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
+                 emulate_bf16: bool = False) -> None:
         self.config, self.fp8, self.dtype = config, fp8, dtype
+        self.emulate_bf16 = bool(emulate_bf16) and dtype == torch.bfloat16
         self.fp8_spec = fp8_spec if fp8_spec is not None else Fp8Spec()
         self.fp8_spec.validate()
         self.device = torch.device(device)
@@ -179,6 +190,7 @@ class NativeGenerationEngine:
         self.embed: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
+        self._head32: torch.Tensor | None = None  # emulate_bf16: the LM head's FP32 copy (exact), per refit
         self._cos, self._sin = rope_cache(config.head_dim, config.rope_theta,
                                           min(config.max_position_embeddings, ROPE_CACHE_START), dtype,
                                           self.device, config.rope_scaling)
@@ -209,18 +221,20 @@ class NativeGenerationEngine:
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
             spec = self.fp8_spec if self.is_fp8_block(i) else None
+            fuse = lambda mats, biases, spec=spec: fuse_linear(mats, biases, spec, self.emulate_bf16)  # noqa: E731
             attn, mlp = [p + f"self_attn.{n}_proj." for n in "qkv"], [p + f"mlp.{n}_proj." for n in ("gate", "up")]
             blocks.append(Block(
                 attn_norm=get(p + "input_layernorm.weight"),
-                qkv=fuse_linear([get(n + "weight") for n in attn], [opt(n + "bias") for n in attn], spec),
-                o=fuse_linear([get(p + "self_attn.o_proj.weight")], [opt(p + "self_attn.o_proj.bias")], spec),
+                qkv=fuse([get(n + "weight") for n in attn], [opt(n + "bias") for n in attn]),
+                o=fuse([get(p + "self_attn.o_proj.weight")], [opt(p + "self_attn.o_proj.bias")]),
                 mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=fuse_linear([get(n + "weight") for n in mlp], [None, None], spec),
-                down=fuse_linear([get(p + "mlp.down_proj.weight")], [None], spec)))
+                gate_up=fuse([get(n + "weight") for n in mlp], [None, None]),
+                down=fuse([get(p + "mlp.down_proj.weight")], [None])))
         self.blocks = blocks
         self.embed = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
         self.lm_head = self.embed if self.config.tie_word_embeddings else get("lm_head.weight")
+        self._head32 = self.lm_head.float() if self.emulate_bf16 else None
 
     # ---- forward -------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,7 +292,7 @@ class NativeGenerationEngine:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [U, H, L, D]
                 if cache is not None:
                     cache.write_rows(i, rows, start, k[which], v[which])
-                return prefill_attention(q, k, v)
+                return prefill_attention(q, k, v, self.emulate_bf16)
 
             yield rows, which, self._forward(ids, torch.arange(ids.shape[1], device=self.device), attend)
 
@@ -286,7 +300,7 @@ class NativeGenerationEngine:
         """tokens, positions Long[B] written at cache slot `slot` -> hidden [B, hidden]."""
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(i, slot, k, v)
-            return decode_attention(q, cache.k[i], cache.v[i], cache.visible)
+            return decode_attention(q, cache.k[i], cache.v[i], cache.visible, self.emulate_bf16)
 
         return self._forward(tokens, positions, attend)
 
@@ -312,7 +326,7 @@ class NativeGenerationEngine:
             prompts.append(ids_row[real[0]:real[-1] + 1])
         out = torch.zeros(*input_ids.shape, self.config.vocab_size, device=self.device)
         for rows, which, hidden in self._prefill(prompts, None, input_ids.shape[1]):
-            logits = F.linear(hidden, self.lm_head).float()
+            logits = self._head(hidden).float()
             for row, w in zip(rows.tolist(), which.tolist()):
                 out[row, starts[row]:starts[row] + logits.shape[1]] = logits[w]
         return out
@@ -329,6 +343,25 @@ class NativeGenerationEngine:
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(f"prompts: token ids must lie in [0, {self.config.vocab_size}), got [{low}, {high}]")
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., hidden] -> logits [..., V] in the dtype (the LM head stays in the dtype: BF16)."""
+        if self._head32 is not None and hidden.dtype == torch.bfloat16:  # emulated, the weight upcast once
+            return F.linear(hidden.float(), self._head32).to(torch.bfloat16)
+        return bf16.linear(hidden, self.lm_head, emulate=self.emulate_bf16)
+
+    def _start(self, prompts: list[list[int]], steps: int) -> tuple[KVCache, torch.Tensor, torch.Tensor, int]:
+        """Prefill every prompt into a fresh cache with room for `steps` new tokens.
+
+        Returns (cache, logits [B, V] of the next token, prompt lengths Long[B], width = longest prompt)."""
+        cfg, dev = self.config, self.device
+        b, width = len(prompts), max(len(p) for p in prompts)
+        cache = KVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, width + steps, cfg.head_dim,
+                        self.dtype, dev)
+        last = torch.empty(b, cfg.hidden_size, dtype=self.dtype, device=dev)
+        for rows, which, hidden in self._prefill(prompts, cache, width):
+            last[rows] = hidden[which, -1]
+        return cache, self._head(last), torch.tensor([len(p) for p in prompts], device=dev), width
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample up to sampling.max_new_tokens tokens after each prompt (see GenerationOutput).
@@ -342,20 +375,14 @@ class NativeGenerationEngine:
         self._check_prompts(prompts)
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
-        cfg, steps, dev = self.config, sampling.max_new_tokens, self.device
-        b, width = len(prompts), max(len(p) for p in prompts)
-        cache = KVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, width + steps, cfg.head_dim,
-                        self.dtype, dev)
-        last = torch.empty(b, cfg.hidden_size, dtype=self.dtype, device=dev)
-        for rows, which, hidden in self._prefill(prompts, cache, width):
-            last[rows] = hidden[which, -1]
-        logits = F.linear(last, self.lm_head)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        steps, dev = sampling.max_new_tokens, self.device
+        cache, logits, lengths, width = self._start(prompts, steps)
+        b = len(prompts)
         out_ids = torch.full((b, steps), self.pad_id, dtype=torch.long, device=dev)
         out_lp = torch.zeros((b, steps), dtype=torch.float32, device=dev)
         out_mask = torch.zeros((b, steps), dtype=torch.bool, device=dev)
         done = torch.zeros(b, dtype=torch.bool, device=dev)
-        stops = torch.tensor(cfg.eos_ids, dtype=torch.long, device=dev)  # every EOS id ends a row
+        stops = torch.tensor(self.config.eos_ids, dtype=torch.long, device=dev)  # every EOS id ends a row
         taken = 0
         for step in range(steps):
             tokens, logp = sample_next(logits, sampling, self.generator)
@@ -367,8 +394,28 @@ class NativeGenerationEngine:
             taken = step + 1
             if taken == steps or bool(done.all()):
                 break
-            logits = F.linear(self._decode(tokens, lengths + step, width + step, cache), self.lm_head)
+            logits = self._head(self._decode(tokens, lengths + step, width + step, cache))
         return GenerationOutput(out_ids[:, :taken], out_mask[:, :taken], out_lp[:, :taken], done.clone())
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], output: GenerationOutput, temperature: float) -> torch.Tensor:
+        """Float32[B, R]: log_softmax(logits / T)[token] of `output`'s tokens, replaying `generate`'s own
+        computation (engines.kernels: matched): the same prefill groups, the same [B]-row decode steps in
+        the same order (done rows fed pad, as generate feeds them), the same LM-head and log-softmax ops.
+        On an engine with the generating engine's weights and settings this returns output.logprobs
+        bit for bit; 0 where output.response_mask is False."""
+        self._check_ready()
+        self._check_prompts(prompts)
+        ids, mask = output.response_ids.to(self.device), output.response_mask.to(self.device)
+        steps = ids.shape[1]
+        cache, logits, lengths, width = self._start(prompts, steps)
+        out = torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+        for step in range(steps):
+            logp = torch.log_softmax(tempered(logits, temperature), dim=-1)
+            out[:, step] = logp.gather(-1, ids[:, step, None]).squeeze(-1)
+            if step + 1 < steps:
+                logits = self._head(self._decode(ids[:, step], lengths + step, width + step, cache))
+        return out.masked_fill_(~mask, 0.0)
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

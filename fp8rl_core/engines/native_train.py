@@ -30,6 +30,7 @@ from fp8rl_core import grpo
 from fp8rl_core.config import Fp8Spec, LossSpec, OptimSpec
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.base import TrainBatch
+from fp8rl_core.model.bf16 import emulate_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
 from fp8rl_core.model.llama import CausalLM
 
@@ -85,6 +86,10 @@ class NativeTrainingEngine:
     model:        the policy with FP32 parameters (the master weights), on the device to train on;
                   with fp8_training its linear layers are swapped for Fp8Linear in place.
     compute_dtype: torch.bfloat16 (autocast) or torch.float32 (no autocast; for tests).
+    emulate_bf16: the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
+                  BF16 operands and round to BF16 (model.bf16_compute: emulated; model/bf16.py).
+    fp8_spec.quantize_from: "bf16" quantizes the BF16 rounding of each master weight (what the
+                  generation engine quantizes), "master" the FP32 master itself.
     optim:        AdamW(lr, betas, eps, weight_decay on every parameter), grad_clip (<= 0: off).
     mesh:         ranks to shard over with FSDP2 (None / world size 1: unsharded, no collectives).
     micro_batch_size / logprob_batch_size: sequences per forward(/backward) of train_step / logprobs
@@ -105,7 +110,7 @@ class NativeTrainingEngine:
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, emulate_bf16: bool = False) -> None:
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -117,7 +122,13 @@ class NativeTrainingEngine:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.model, self.temperature, self.compute_dtype = model, float(temperature), compute_dtype
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
-        self.fp8_modules = apply_fp8(model, fp8_spec or Fp8Spec()) if fp8_training else []
+        spec = fp8_spec or Fp8Spec()
+        # FP32 compute: the generation engine's copy is the FP32 master itself, nothing to round
+        source = torch.bfloat16 if spec.quantize_from == "bf16" and compute_dtype == torch.bfloat16 else None
+        self.fp8_modules = apply_fp8(model, spec, quantize_dtype=source) if fp8_training else []
+        self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
+        if self.emulate_bf16:
+            emulate_bf16_matmuls(model)
         self.mesh = mesh or SINGLE
         self.micro_batch_size, self.logprob_batch_size = int(micro_batch_size), int(logprob_batch_size)
         self._device = next(model.parameters()).device  # the compute device (shards may be offloaded)
@@ -358,10 +369,12 @@ class ReferencePolicy:
     def __init__(self, model: CausalLM, *, device: torch.device | str, fp8: bool = False,
                  fp8_spec: Fp8Spec | None = None, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None,
-                 logprob_batch_size: int = 0, cpu_offload: bool = False) -> None:
+                 logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False) -> None:
         model.requires_grad_(False).eval()
         if fp8:
-            apply_fp8(model, fp8_spec or Fp8Spec())
+            apply_fp8(model, fp8_spec or Fp8Spec())  # weights already in the compute dtype: one source
+        if emulate_bf16 and compute_dtype == torch.bfloat16:
+            emulate_bf16_matmuls(model)
         self.mesh, self.device = mesh or SINGLE, torch.device(device)
         self.offload = cpu_offload and not self.mesh.distributed and self.device.type != "cpu"
         self.model = model.to("cpu" if self.offload else self.device)

@@ -56,6 +56,12 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Float32 logits / T (FP32 first, as vLLM's sampler; no division at T = 1): what log-probs are taken of."""
+    logits = logits.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
 def sample_next(logits: torch.Tensor, sampling: SamplingParams,
                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
@@ -64,13 +70,12 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams,
     returns (tokens Long[B], logprobs Float32[B]) with logprobs = log_softmax(logits / T)[token],
     T = 1 when greedy.
     """
-    logits = logits.float()
     if sampling.greedy:
+        logits = logits.float()
         tokens = logits.argmax(dim=-1)
         logp = torch.log_softmax(logits, dim=-1)
         return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-    if sampling.temperature != 1.0:
-        logits = logits / sampling.temperature
+    logits = tempered(logits, sampling.temperature)
     logp = torch.log_softmax(logits, dim=-1)
     filtered = filter_top_k_top_p(logits, sampling.top_k, sampling.top_p)
     probs = torch.softmax(filtered, dim=-1) if filtered is not logits else logp.exp()

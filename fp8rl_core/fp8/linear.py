@@ -8,6 +8,11 @@ Recipe (Transformer Engine's Float8BlockScaling, DeepSeek-V3 section 3.3), X [M,
     db       = sum_tokens dY                                        (FP32)
 Every GEMM accumulates in FP32 (see gemm.py). dX follows X's dtype, dW and db the parameters' dtype.
 
+Quantization source (`fp8.quantize_from`): with `quantize_dtype=torch.bfloat16` Q(W) quantizes the BF16
+rounding of the master weight, the very tensor a refit sends the generation engine and the one a
+Megatron-Core + Transformer Engine trainer with BF16 parameters quantizes (its FP32 master lives in the
+optimizer); None quantizes the parameter as stored (the FP32 master: a different recipe, xtuner #2044).
+
 Q(W) is computed once per weight value, not per forward: `Fp8Linear` caches it, keyed on the
 Parameter's version counter and storage, and on a process-wide count of optimizer steps (any
 `torch.optim` optimizer, through a global step hook), so the old-log-prob pass, every micro-batch and
@@ -112,10 +117,12 @@ class Fp8Linear(nn.Linear):
         *,
         power_of_two: bool = False,
         check_finite: bool = True,
+        quantize_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self.power_of_two = power_of_two
         self.check_finite = check_finite
+        self.quantize_dtype = quantize_dtype  # round the weight to this dtype before Q(W) (None: as stored)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kw) -> Fp8Linear:
@@ -127,9 +134,10 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new.power_of_two = kw.pop("power_of_two", False)
         new.check_finite = kw.pop("check_finite", True)
+        new.quantize_dtype = kw.pop("quantize_dtype", None)
         if kw:
             raise TypeError(f"Fp8Linear.from_linear: unexpected options {sorted(kw)}; "
-                            "valid: power_of_two, check_finite")
+                            "valid: power_of_two, check_finite, quantize_dtype")
         new.train(linear.training)
         return new
 
@@ -137,13 +145,15 @@ class Fp8Linear(nn.Linear):
         """Q(weight) in [128, 128] blocks (no bias), recomputed only when the weight may have changed
         (see the module docstring); non-finite weights raise."""
         w = self.weight
-        key = (_optimizer_steps, w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), self.power_of_two)
+        key = (_optimizer_steps, w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), self.power_of_two,
+               self.quantize_dtype)
         use_cache = self.cache_weight and weight_cache_enabled()
         cached = self.__dict__.get("_fp8_weight")
         if cached is not None and cached[0] == key and use_cache:
             return cached[1]
         with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
-            q = quantize_weight(w, None, power_of_two=self.power_of_two)
+            source = w if self.quantize_dtype is None else w.to(self.quantize_dtype)
+            q = quantize_weight(source, None, power_of_two=self.power_of_two)
         self.__dict__["_fp8_weight"] = (key, q) if use_cache else None
         return q
 
@@ -158,4 +168,5 @@ class Fp8Linear(nn.Linear):
         return _Fp8LinearFn.apply(x, self.weight, self.bias, w, self.power_of_two, self.check_finite)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", fp8=e4m3 blockwise, power_of_two={self.power_of_two}"
+        source = "as stored" if self.quantize_dtype is None else str(self.quantize_dtype).replace("torch.", "")
+        return super().extra_repr() + f", fp8=e4m3 blockwise, power_of_two={self.power_of_two}, quantize_from={source}"

@@ -21,7 +21,7 @@ def _arithmetic(spec: Any) -> Task:
                           val_size=spec.val_size, data_seed=spec.data_seed,
                           warmstart_digits=spec.warmstart_digits,
                           warmstart_full_fraction=spec.warmstart_full_fraction,
-                          warmstart_label_noise=spec.warmstart_label_noise)
+                          warmstart_label_noise=spec.warmstart_label_noise, scratchpad=spec.scratchpad)
 
 
 def _jsonl(spec: Any) -> Task:

@@ -12,6 +12,12 @@ easy): `warmstart_sample` draws operands of at most `warmstart_digits` digits, e
 warmstart_full_fraction=0.05 leaves the 3-digit operands mostly unseen before RL: the policy starts with
 a non-zero reward (the short-operand prompts) and room to climb (the long ones).
 
+Scratchpad (`task.scratchpad`, an option for longer responses): the completion works the sum out by
+place value before the answer, most significant place first, then adds the partial results up, e.g.
+"37-59=" -> "30-50=-20;7-9=-2;-20+-2=-22:-22" (27 tokens instead of 3). The reward is the exact match
+of the text after the last ":" (the work itself is not graded, as GSM8K-style rewards grade the final
+answer only); the warm start is supervised on the whole worked completion. + and - only.
+
 Label noise (an option; the default study uses a clean warm start and samples at T=2 instead, see
 README "The task and the warm start"): `warmstart_label_noise` is the probability that a warm-start
 target has one digit replaced by another digit, as in noisy human demonstrations. The warm-started
@@ -24,7 +30,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from fp8rl_core.tasks.base import Example, Rng, Task, as_random
+from fp8rl_core.tasks.base import Example, Rng, Task, as_random, exact_match
 
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _MAX_TRIES_PER_EXAMPLE = 200  # rejection sampling: each draw hits a validation prompt with small probability
@@ -40,7 +46,8 @@ class ArithmeticTask(Task):
 
     def __init__(self, digits: int = 3, min_digits: int = 1, operators: Sequence[str] = ("+", "-"),
                  val_size: int = 128, data_seed: int = 1234, warmstart_digits: int | None = None,
-                 warmstart_full_fraction: float = 0.0, warmstart_label_noise: float = 0.0):
+                 warmstart_full_fraction: float = 0.0, warmstart_label_noise: float = 0.0,
+                 scratchpad: bool = False):
         if not 1 <= min_digits <= digits <= 9:
             raise ValueError(f"task.digits: need 1 <= min_digits <= digits <= 9, got {min_digits}..{digits}")
         bad = [op for op in operators if op not in OPERATORS]
@@ -61,12 +68,25 @@ class ArithmeticTask(Task):
             raise ValueError(f"task.warmstart_label_noise: must be in [0, 1], got {warmstart_label_noise}")
         self.warmstart_digits, self.warmstart_full_fraction = wd, warmstart_full_fraction
         self.warmstart_label_noise = warmstart_label_noise
+        if scratchpad and "*" in self.operators:
+            raise ValueError("task.scratchpad: worked completions cover + and - only; drop '*' from task.operators")
+        self.scratchpad = scratchpad
         self.data_seed = data_seed
         self.val_examples = self._make_val(val_size, random.Random(data_seed))
         self._val_prompts = frozenset(e.prompt for e in self.val_examples)
 
     def alphabet(self) -> str:
-        return "".join(sorted(set("0123456789=") | set(self.operators)))  # "-" results only come from "-"
+        extra = ";:+" if self.scratchpad else ""  # the work adds partial results with "+"
+        return "".join(sorted(set("0123456789=" + extra) | set(self.operators)))  # "-" results only come from "-"
+
+    def sft_text(self, example: Example) -> tuple[str, str]:
+        if not self.scratchpad:
+            return example.prompt, example.answer
+        return example.prompt, worked(example.prompt)
+
+    def reward(self, example: Example, completion: str) -> float:
+        """Exact match of the answer; with a scratchpad, of the text after the completion's last ":"."""
+        return exact_match(example.answer, completion.rpartition(":")[2] if self.scratchpad else completion)
 
     def _operand(self, rnd: random.Random, hi: int) -> int:
         k = rnd.randint(self.min_digits, hi)
@@ -109,6 +129,28 @@ class ArithmeticTask(Task):
                 ex = Example(ex.prompt, corrupt_digit(ex.answer, rnd))
             out.append(ex)
         return out
+
+
+def worked(prompt: str) -> str:
+    """The scratchpad completion of an "a+b=" / "a-b=" prompt (see the module docstring).
+
+    With n = the longer operand's digit count and x_i = x's digit at place i times 10^i: the parts
+    "a_i op b_i = p_i" for i = n-1 .. 0, then the running sums "s + p_i = s'", then ":" and the answer."""
+    body = prompt.rstrip("=")
+    op = next(c for c in body[1:] if c in "+-")  # the operator (a leading "-" would be a sign; operands are >= 0)
+    a_text, b_text = body.split(op, 1)
+    a, b = int(a_text), int(b_text)
+    n = max(len(a_text), len(b_text))
+    parts, values = [], []
+    for i in reversed(range(n)):
+        da, db = a // 10**i % 10 * 10**i, b // 10**i % 10 * 10**i
+        values.append(OPERATORS[op](da, db))
+        parts.append(f"{da}{op}{db}={values[-1]}")
+    total = values[0]
+    for v in values[1:]:
+        parts.append(f"{total}+{v}={total + v}")
+        total += v
+    return ";".join(parts) + f":{total}"
 
 
 def corrupt_digit(answer: str, rnd: random.Random) -> str:

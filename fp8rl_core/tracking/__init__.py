@@ -40,10 +40,17 @@ TAG_SEED = "seed"
 TAG_ROLE = "fp8rl.role"  # "sweep" on the parent run, "cell" on each child
 TAG_PARENT = "mlflow.parentRunId"  # MLflow's own: the UI nests child runs under their parent
 CELL_TAGS = (TAG_SWEEP, TAG_CELL_ID, TAG_RECIPE, TAG_IS, TAG_SEED)
+# per attempt (tags, so that a resume on another node may differ): what computed it
+TAG_BF16_COMPUTE = "fp8rl.bf16_compute"  # native | emulated | none (model.dtype fp32)
+TAG_CPU_FLAGS = "fp8rl.cpu_flags"  # the CPU flags that decide the BF16 path and the kernels
+TAG_FP8_GEMM = "fp8rl.fp8_gemm"  # the FP8 GEMM executor (fp8rl_core/fp8/gemm.py)
 
 M_MISMATCH = "token_mult_prob_error"
 M_REWARD = "reward_mean"
 M_VAL_ACC = "val_accuracy"
+# the same validation prompts and samples through one BF16 generation engine, for every arm (the arm's
+# own engine for bf16): separates "FP8 inference costs accuracy" from "FP8 mismatch harmed learning"
+M_VAL_ACC_BF16_EVAL = "val_accuracy_bf16_eval"
 M_IS_WEIGHT = "is_weight_mean"
 M_LOSS = "loss"
 M_STEP_TIME = "step_time_s"

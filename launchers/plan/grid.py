@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fp8rl_core.config import RunConfig, hashed_dict, run_config_hash
+from fp8rl_core.config import RunConfig, run_config_hash, strip_unhashed
 from fp8rl_core.schema import ConfigError, to_dict
 from launchers.plan.cells import Cell, check_unique
 from launchers.spec import keys as run_keys
@@ -97,11 +97,12 @@ def cell_for(sweep: Sweep, values: dict[str, Any], index: int = 0) -> Cell:
 class _IdHasher:
     """run_config_hash of `base` with a few leaves changed, without converting the whole config again.
 
-    Same payload as fp8rl_core.config.run_config_hash (`hashed_dict`) and the same
-    formula as fp8rl_core.schema.stable_hash; expand_grid checks it against run_config_hash."""
+    Same payload as fp8rl_core.config.run_config_hash (`strip_unhashed` after the cell's values are put
+    in: a varied key at its default, or one that a recipe ignores, leaves the id as the base would) and the
+    same formula as fp8rl_core.schema.stable_hash; expand_grid checks it against run_config_hash."""
 
     def __init__(self, base: RunConfig, length: int = 12):
-        self.canon, self.length = hashed_dict(base), length
+        self.canon, self.length = to_dict(base), length
 
     def __call__(self, paths: list[tuple[str, ...]], values: list[Any]) -> str:
         data = dict(self.canon)
@@ -110,7 +111,7 @@ class _IdHasher:
             for part in path[:-1]:
                 node[part] = node = dict(node[part])  # copy on write: the base dict stays intact
             node[path[-1]] = to_dict(value)
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+        text = json.dumps(strip_unhashed(data), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:self.length]
 
 

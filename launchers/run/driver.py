@@ -84,7 +84,7 @@ class Driver(SweepRun):
 
             after = "afterany:" + ":".join(sorted({base_id(j) for j in alive}, key=int))
             args = (self.uri, self.name, self.name, str(self.sweep.folder / "report"), self.state.parent_run_id,
-                    len(self.cells), dict(self.sweep.spec.analysis))
+                    len(self.cells), dict(self.sweep.spec.analysis), [c.id for c in self.cells])
             (h,) = self.executor.submit([Task("report", report_stage, args)], after)
             self.state.stages.append(StageJob("report", h.job_id, h.kind, h.stderr))
             self.save()
@@ -109,7 +109,8 @@ class Driver(SweepRun):
 
                 paths = make_report(self.uri, self.name, self.name, self.sweep.folder / "report",
                                     parent_run_id=self.state.parent_run_id,
-                                    config=AnalysisConfig.from_dict(self.sweep.spec.analysis))
+                                    config=AnalysisConfig.from_dict(self.sweep.spec.analysis),
+                                    cell_ids=[c.id for c in self.cells])  # not cells of an earlier file
                 self.say(paths.verdicts_text)
                 self.say(f"report: {paths.report}")
             except Exception as e:  # a report problem must not hide the cells' outcome

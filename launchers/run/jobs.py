@@ -158,20 +158,22 @@ def warm_start_configs(configs: list[RunConfig]) -> list[RunConfig]:
 
 
 def report_stage(uri: str, experiment: str, sweep_name: str, out_dir: str, parent_run_id: str,
-                 n_cells: int, analysis: dict[str, Any] | None = None) -> str:
+                 n_cells: int, analysis: dict[str, Any] | None = None, cell_ids: list[str] | None = None) -> str:
     """Figures, table and claims of the sweep, logged to its parent run, which is then ended:
     FINISHED when all `n_cells` cells finished, else FAILED. `analysis`: the sweep file's `analysis:`
-    block. Returns the report's path; the verdicts go to the job's log."""
+    block; `cell_ids`: its cells when submitted (child runs of other cells, from an earlier version of
+    the file, are left out of the report). Returns the report's path; the verdicts go to the job's log."""
     from analysis.config import AnalysisConfig
     from analysis.report import make_report
     from fp8rl_core.tracking.runs import cell_states, finish_run
 
     try:
         paths = make_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id,
-                            config=AnalysisConfig.from_dict(analysis))
+                            config=AnalysisConfig.from_dict(analysis), cell_ids=cell_ids)
         print(paths.verdicts_text, flush=True)
     finally:
         states = cell_states(uri, experiment, sweep_name)
-        done = sum(s == "FINISHED" for s in states.values())
+        current = states if cell_ids is None else {c: states[c] for c in cell_ids if c in states}
+        done = sum(s == "FINISHED" for s in current.values())  # runs of an earlier file's cells do not count
         finish_run(uri, parent_run_id, "FINISHED" if done >= n_cells else "FAILED")
     return str(paths.report)

@@ -15,6 +15,10 @@ def test_defaults_and_from_dict():
                                        "is_variant": "tis"})
     assert custom.equivalence_margin == 3.0 and isinstance(custom.bootstrap_resamples, int)
     assert custom.is_variant == "tis" and AnalysisConfig.from_dict(custom.to_dict()) == custom
+    assert cfg.accuracy_metric == "val_accuracy" and cfg.other_accuracy_metric == "val_accuracy_bf16_eval"
+    bf16_eval = AnalysisConfig.from_dict({"accuracy_metric": "val_accuracy_bf16_eval"})
+    assert bf16_eval.other_accuracy_metric == "val_accuracy" and bf16_eval.to_dict()["accuracy_metric"] == \
+        "val_accuracy_bf16_eval"
 
 
 @pytest.mark.parametrize("raw,message", [
@@ -28,6 +32,10 @@ def test_defaults_and_from_dict():
     ({"bootstrap_resamples": 10}, r"analysis\.bootstrap_resamples: 10 is invalid; expected an integer >= 100"),
     ({"seed": True}, r"analysis\.seed: expected a number, got True"),
     ({"is_variant": 3}, r"analysis\.is_variant: expected an IS variant name"),
+    ({"accuracy_metric": "val_acc"}, r"analysis\.accuracy_metric: 'val_acc' is invalid; expected one of: "
+                                     r"val_accuracy, val_accuracy_bf16_eval"),
+    ({"accuracy_metric": None}, r"analysis\.accuracy_metric: expected one of: val_accuracy, val_accuracy_bf16_eval; "
+                                r"got None"),
 ])
 def test_errors_name_the_key(raw, message):
     with pytest.raises(ValueError, match=message):

@@ -14,6 +14,7 @@ from analysis.claims import (
     claim_e2e_is_matches_bf16,
     claim_is_narrows_gap,
     claim_lowest_mismatch,
+    other_accuracy_claims,
 )
 from analysis.config import AnalysisConfig
 from analysis.summaries import summarize
@@ -144,3 +145,56 @@ def test_step_order_fraction_is_paired_by_seed_and_step():
     assert order["fraction"] == pytest.approx(fractions.mean()) and order["n"] == 3
     assert order["ci"] == pytest.approx((max(lo, 0), min(hi, 1)))
     assert "bf16 below fp8_gen at 83%" in claim_lowest_mismatch(runs).evidence
+
+
+def test_claim3_second_half_does_not_close_it_is_shown_not_decided():
+    acc = {**ACC_OK, ("fp8_gen", "token"): acc_of(0.66, (0.002, -0.001, 0.0, 0.003))}
+    r = claim_is_narrows_gap(runs_from(acc=acc))
+    narrows, left = r.comparisons
+    assert r.status == PASS and narrows.decides and not left.decides and "does not close it" in left.name
+    d = (np.array(acc[("bf16", "none")]) - np.array(acc[("fp8_gen", "token")])) * 100
+    assert left.effect == pytest.approx(d.mean()) and left.n == 4
+    assert left.ci == pytest.approx(stats.t.interval(0.95, 3, loc=d.mean(), scale=stats.sem(d)))
+    assert left.finding == "not closed"
+    assert f"Does not close it (not deciding): gap left {d.mean():+.1f} pts, 95% interval [{left.ci[0]:+.1f} pts, " \
+           f"{left.ci[1]:+.1f} pts]: not closed" in r.evidence
+    # IS closes the gap (within noise): "narrows" still PASSes, the second half says closing is not excluded
+    closed = {**ACC_OK, ("fp8_gen", "token"): acc_of(0.70, (0.003, -0.002, 0.001, -0.004))}
+    r = claim_is_narrows_gap(runs_from(acc=closed))
+    assert r.status == PASS and r.comparisons[1].finding == "closing not excluded"
+    past = {**ACC_OK, ("fp8_gen", "token"): acc_of(0.75)}  # beyond bf16 by less than the gap was
+    r = claim_is_narrows_gap(runs_from(acc=past))
+    assert r.status == PASS and r.comparisons[1].finding == "overshot"
+
+
+ACC_EVAL = {**ACC_OK, ("fp8_e2e", "token"): acc_of(0.698), ("fp8_gen", "none"): acc_of(0.60),
+            ("fp8_gen", "token"): acc_of(0.68)}  # through one BF16 engine: FP8 inference's cost removed
+
+
+def test_claims_3_4_decide_on_the_configured_accuracy_metric():
+    # val_accuracy: fp8_e2e + IS is 10 points below bf16 (FP8 inference costs accuracy); through the
+    # BF16 evaluation engine its weights are as good as bf16's
+    own = {**ACC_OK, ("fp8_e2e", "token"): acc_of(0.60)}
+    runs = runs_from(MM_OK, own, acc_bf16_eval=ACC_EVAL)
+    by_own = check_claims(runs)
+    assert by_own[3].status == FAIL and by_own[3].metric == "val_accuracy" and by_own[3].deciding
+    cfg = AnalysisConfig(accuracy_metric="val_accuracy_bf16_eval")
+    by_eval = check_claims(runs, cfg)
+    assert by_eval[3].status == PASS and by_eval[3].metric == "val_accuracy_bf16_eval"
+    assert all("final val_accuracy_bf16_eval" in r.statistic for r in by_eval[2:])
+    assert by_eval[2].comparisons[0].effect == pytest.approx(8.0)  # 60 -> 68 towards 70
+    aside = other_accuracy_claims(runs, cfg)
+    assert [(r.number, r.metric, r.deciding) for r in aside] == [(3, "val_accuracy", False), (4, "val_accuracy", False)]
+    assert [r.status for r in aside] == [by_own[2].status, by_own[3].status]
+    assert [c.ci for c in aside[1].comparisons] == [c.ci for c in by_own[3].comparisons]
+    assert by_eval[:2] == check_claims(runs)[:2]  # claims 1-2 read no accuracy
+
+
+def test_older_runs_without_bf16_eval_do_not_crash():
+    runs = runs_from(MM_OK, ACC_OK)  # logged before val_accuracy_bf16_eval existed
+    assert other_accuracy_claims(runs) == []
+    results = check_claims(runs, AnalysisConfig(accuracy_metric="val_accuracy_bf16_eval"))
+    assert [r.status for r in results] == [PASS, PASS, INCONCLUSIVE, INCONCLUSIVE]
+    assert all(r.evidence.startswith("val_accuracy_bf16_eval: missing (not logged by these runs)") for r in results[2:])
+    flipped = other_accuracy_claims(runs, AnalysisConfig(accuracy_metric="val_accuracy_bf16_eval"))
+    assert flipped[0].metric == "val_accuracy" and not flipped[0].deciding

@@ -76,3 +76,20 @@ def test_fetch_over_http_equals_sql(sweep_store, tmp_path):
     with start_server(sweep_store.uri, log_path=tmp_path / "server.log") as server:
         data = fetch_sweep(server.url, sweep_store.experiment, sweep_name=sweep_store.sweep)
     _check_against_truth(data, sweep_store.runs)
+
+
+def test_cell_ids_keep_the_current_cells_and_count_the_rest(sweep_store, monkeypatch):
+    calls = []
+    real = SqlAlchemyStore.get_metric_history_bulk
+
+    def spy(self, run_ids, metric_key, max_results):
+        calls.append(len(run_ids))
+        return real(self, run_ids, metric_key, max_results)
+
+    monkeypatch.setattr(SqlAlchemyStore, "get_metric_history_bulk", spy)
+    current = [r for r in sweep_store.runs if r.tags["recipe"] != "fp8_e2e"]  # the file no longer has fp8_e2e
+    data = fetch_sweep(sweep_store.uri, sweep_store.experiment, parent_run_id=sweep_store.parent,
+                       keys=["val_accuracy"], cell_ids={r.tags["cell_id"] for r in current} | {"never-ran"})
+    assert sorted(r.run_id for r in data.runs) == sorted(r.run_id for r in current) and data.stale_runs == 6
+    assert calls == [12]  # the left-out runs' histories are not read
+    assert fetch_sweep(sweep_store.uri, sweep_store.experiment, sweep_name=sweep_store.sweep).stale_runs == 0

@@ -123,3 +123,76 @@ def test_order_note_is_the_claims_paired_step_statistic(data):
     assert f"bf16 < fp8_e2e at {o['fraction']:.0%} [{o['ci'][0]:.0%}, {o['ci'][1]:.0%}]" in order_note(data)
     only_bf16 = SweepData("u", "1", "x", None, [r for r in data.runs if r.get("recipe") == "bf16"])
     assert order_note(only_bf16) == ""
+
+
+@pytest.fixture(scope="module")
+def with_floor() -> SweepData:
+    """The study with matched-kernel cells (IS none, same seeds) beside the distinct ones, and the BF16 eval."""
+    runs = synthetic_runs(seeds=3, steps=21, matched=("bf16", "fp8_gen", "fp8_e2e"), bf16_eval=True)
+    for i, r in enumerate(runs):
+        r.run_id = f"r{i}"
+    return SweepData("sqlite:///x.db", "1", "floor", "p", runs)
+
+
+def _matched_lines(ax) -> dict[str, matplotlib.lines.Line2D]:
+    return {line.get_gid(): line for line in ax.get_lines() if (line.get_gid() or "").endswith("matched kernels")}
+
+
+def test_figure1_draws_matched_kernels_dashed_and_their_exact_floor(with_floor):
+    from analysis.figures import EXACT_LABEL, axis_floor, matched_style
+    from analysis.kernels import KERNELS, MATCHED, only_kernels
+
+    fig = mismatch_figure(with_floor)
+    ax = fig.axes[0]
+    solid = [line for line in ax.get_lines() if line.get_label() in RECIPE_COLORS]
+    expected = {c.group["recipe"]: c for c in curves(only_kernels(with_floor), "token_mult_prob_error", by=("recipe",))}
+    np.testing.assert_allclose(solid[0].get_ydata(), expected["bf16"].mean)  # distinct runs only, as before
+    matched = _matched_lines(ax)
+    assert list(matched) == [f"{r}, matched kernels" for r in ("bf16", "fp8_gen", "fp8_e2e")]
+    for name, line in matched.items():
+        recipe = name.split(",")[0]
+        assert to_hex(line.get_color()) == RECIPE_COLORS[recipe].lower() and line.get_linestyle() != "-"
+    # bf16 and fp8_e2e both lie on the floor: their dashes must interleave, not cover each other
+    styles = [matched_style(i) for i in range(3)]
+    (on, off), starts = styles[0][1], [offset for offset, _ in styles]
+    assert sorted(starts) == [0, on, 2 * on] and on + off >= 3 * on  # three disjoint dashes per period
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:6] == ["bf16", "fp8_gen", "fp8_e2e", "bf16, matched kernels", "fp8_gen, matched kernels",
+                          "fp8_e2e, matched kernels"]
+    # ratio exactly 1 (bf16, fp8_e2e): drawn on a labelled floor inside the axes, below every measured value
+    per_kernels = [curves(only_kernels(with_floor, k), "token_mult_prob_error", by=("recipe",)) for k in KERNELS]
+    floor, exact = axis_floor([c for cs in per_kernels for c in cs])
+    assert exact and floor == 1e-4  # the smallest measured excess (bf16, ~0.004) lies in [10 F, 100 F)
+    gen = curves(only_kernels(with_floor, MATCHED), "token_mult_prob_error", by=("recipe",))[1]
+    np.testing.assert_allclose(matched["fp8_gen, matched kernels"].get_ydata(), gen.mean)
+    to_axes = lambda y: ax.transAxes.inverted().transform(ax.transData.transform((0, y)))[1]  # noqa: E731
+    for recipe in ("bf16", "fp8_e2e"):
+        y = matched[f"{recipe}, matched kernels"].get_ydata()
+        assert (y == 1.0 + floor).all() and 0.0 < to_axes(y[0]) < to_axes(1.001)
+    ticks = dict(zip((t.get_text() for t in ax.get_yticklabels()), ax.get_yticks()))
+    assert ticks[EXACT_LABEL] == 1.0 + floor and "1.001" in ticks
+    assert "ratio = 1 exactly at every step: bf16, fp8_e2e (matched kernels)" in _texts(fig)
+    assert "dashed: matched kernels" in _texts(fig) and "3 seeds × 2 IS settings" in _texts(fig)
+    assert "27 runs (9 with matched kernels)" in ax.get_title(loc="left")
+
+
+def test_figure1_without_exact_values_keeps_its_axis(data):
+    from analysis.figures import EXACT_LABEL, EXCESS_FLOOR, axis_floor
+
+    assert axis_floor(curves(data, "token_mult_prob_error", by=("recipe",))) == (EXCESS_FLOOR, False)
+    ax = mismatch_figure(data).axes[0]
+    assert EXACT_LABEL not in {t.get_text() for t in ax.get_yticklabels()} and not _matched_lines(ax)
+
+
+def test_figure2_plots_the_deciding_metric_of_distinct_runs(with_floor):
+    from analysis.kernels import only_kernels
+
+    ax = accuracy_figure(with_floor, metric="val_accuracy_bf16_eval").axes[0]
+    lines = ax.get_lines()
+    assert len(lines) == 6  # the matched-kernel runs are not arms of the study
+    expected = curves(only_kernels(with_floor), "val_accuracy_bf16_eval")
+    np.testing.assert_allclose(lines[2].get_ydata(), expected[2].mean * 100)
+    assert "BF16 eval engine" in ax.get_ylabel() and "one BF16 evaluation engine" in ax.get_title(loc="left")
+    own = accuracy_figure(with_floor).axes[0]
+    own_means = curves(only_kernels(with_floor), "val_accuracy")[2].mean * 100
+    np.testing.assert_allclose(own.get_lines()[2].get_ydata(), own_means)

@@ -49,3 +49,28 @@ def test_markdown_states_the_rule_and_margin():
     md = verdicts_markdown(check_claims(runs_from(MM_OK, ACC_OK), CFG), AnalysisConfig(equivalence_margin=3))
     assert md.count("**PASS**") == 5  # claim 1 has two comparisons
     assert "±3 pts" in md and "per-run median mismatch" in md and "- Claim 4:" in md
+
+
+def test_the_other_accuracy_metric_and_claim_3s_second_half_are_shown_not_counted():
+    from analysis.claims import other_accuracy_claims
+
+    acc_eval = {**ACC_OK, ("fp8_e2e", "token"): [0.60 + s for s in SEED]}
+    runs = runs_from(MM_OK, ACC_OK, acc_bf16_eval=acc_eval)
+    results, aside = check_claims(runs, CFG), other_accuracy_claims(runs, CFG)
+    text = format_verdicts(results, CFG, aside)
+    lines = text.splitlines()
+    assert lines[0] == "Claims (4): 1 PASS; 2 PASS; 3 PASS; 4 PASS"  # the deciding verdicts only
+    heading = lines.index("== not deciding: claims 3–4 on val_accuracy_bf16_eval (analysis.accuracy_metric is "
+                          "val_accuracy)")
+    below = lines[heading:]
+    assert any(line.startswith("4  (FAIL)") for line in below) and any(line.startswith("3  (PASS)") for line in below)
+    left = [line for line in lines if "does not close it" in line]
+    assert len(left) == 2 and all(line.startswith("3  (not closed)") for line in left)
+    md = verdicts_markdown(results, CFG, aside)
+    assert md.count("**PASS**") == 5 and "_(not closed)_" in md and "_(FAIL)_" in md
+    assert "- Claim 4 on val_accuracy_bf16_eval (not deciding):" in md
+    extra = {"stale_runs": 2, "floor": [{"median": float("nan")}]}
+    js = json.loads(json.dumps(verdicts_json(results, CFG, aside, extra), allow_nan=False))
+    assert [c["status"] for c in js["not_deciding"]] == ["PASS", "FAIL"] and js["stale_runs"] == 2
+    assert js["floor"] == [{"median": None}] and js["claims"][2]["comparisons"][1]["decides"] is False
+    assert js["claims"][2]["comparisons"][1]["finding"] == "not closed"

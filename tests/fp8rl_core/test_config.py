@@ -1,8 +1,8 @@
 """RunConfig: typed validation with errors that name the key and the valid choices; stable ids."""
 import pytest
 
-from fp8rl_core.config import RunConfig, load_run_config, run_config_hash
-from fp8rl_core.schema import ConfigError, flatten, to_dict
+from fp8rl_core.config import RunConfig, hashed_dict, load_run_config, run_config_hash
+from fp8rl_core.schema import ConfigError, flatten, stable_hash, to_dict
 
 
 def test_defaults_and_overrides_typed():
@@ -54,3 +54,80 @@ def test_roundtrip_through_dict():
                                    for k, v in flatten(to_dict(cfg)).items() if v is not None and v != {}])
     assert to_dict(again) == to_dict(cfg)
     assert isinstance(RunConfig(), RunConfig)
+
+
+# ---- model.bf16_compute, fp8.quantize_from, engines.kernels -----------------------------------------
+def test_new_numerics_keys_defaults_and_values():
+    cfg = load_run_config(None, [])
+    assert (cfg.model.bf16_compute, cfg.fp8.quantize_from, cfg.engines.kernels) == ("auto", "bf16", "distinct")
+    for mode in ("auto", "native", "emulated"):
+        assert load_run_config(None, [f"model.bf16_compute={mode}"]).model.bf16_compute == mode
+    assert load_run_config(None, ["fp8.quantize_from=master"]).fp8.quantize_from == "master"
+    assert load_run_config(None, ["engines.kernels=matched"]).engines.kernels == "matched"
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.bf16_compute=fast", "model.bf16_compute: 'fast' is not allowed; valid: auto, native, emulated"),
+    ("fp8.quantize_from=fp32", "fp8.quantize_from: 'fp32' is not allowed; valid: bf16, master"),
+    ("engines.kernels=same", "engines.kernels: 'same' is not allowed; valid: distinct, matched"),
+])
+def test_new_numerics_keys_bad_values(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, [override])
+    assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("engine", ["engines.generation=vllm", "engines.training=megatron"])
+def test_emulated_bf16_and_matched_kernels_need_the_native_engines(engine):
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, ["model.bf16_compute=emulated", engine])
+    assert "model.bf16_compute" in str(e.value) and engine.split("=")[0] in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_run_config(None, ["engines.kernels=matched", engine])
+    assert "engines.kernels" in str(e.value) and engine.split("=")[0] in str(e.value)
+    for ok in ("auto", "native"):  # the other engines run native BF16 kernels: nothing to refuse
+        assert load_run_config(None, [f"model.bf16_compute={ok}", engine]).model.bf16_compute == ok
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_gen", "fp8_e2e"])
+def test_bf16_compute_is_not_in_the_cell_id(recipe):
+    """Native and emulated BF16 differ in summation order only: one cell, whatever the machine runs."""
+    ids = {run_config_hash(load_run_config(None, [f"recipe={recipe}", f"model.bf16_compute={m}"]))
+           for m in ("auto", "native", "emulated")}
+    assert len(ids) == 1
+    assert ids == {run_config_hash(load_run_config(None, [f"recipe={recipe}"]))}
+
+
+def test_matched_kernels_change_the_cell_id_and_the_default_does_not():
+    base = run_config_hash(load_run_config(None, []))
+    assert run_config_hash(load_run_config(None, ["engines.kernels=distinct"])) == base
+    assert run_config_hash(load_run_config(None, ["engines.kernels=matched"])) != base
+    assert "kernels" not in hashed_dict(load_run_config(None, []))["engines"]
+
+
+def _id_before_quantize_from(cfg) -> str:
+    """The id this config had before fp8.quantize_from existed: its hashed dict without the key."""
+    data = hashed_dict(cfg)
+    data["fp8"].pop("quantize_from", None)
+    return stable_hash(data)
+
+
+def test_quantize_from_is_hashed_for_fp8_training_only():
+    """fp8.quantize_from changes what fp8_e2e computes: its ids changed (the default hashes differently
+    from before the key existed, and from `master`); bf16 and fp8_gen never quantize a master weight,
+    so the key is not in their ids: unchanged from before, whatever its value."""
+    ids = {}
+    for recipe in ("bf16", "fp8_gen", "fp8_e2e"):
+        for source in ("bf16", "master"):
+            ids[recipe, source] = run_config_hash(load_run_config(None, [f"recipe={recipe}",
+                                                                          f"fp8.quantize_from={source}"]))
+    assert ids["fp8_e2e", "bf16"] != ids["fp8_e2e", "master"]
+    assert ids["bf16", "bf16"] == ids["bf16", "master"] and ids["fp8_gen", "bf16"] == ids["fp8_gen", "master"]
+    for recipe in ("bf16", "fp8_gen", "fp8_e2e"):
+        cfg = load_run_config(None, [f"recipe={recipe}"])
+        assert ids[recipe, "bf16"] == run_config_hash(cfg)
+        old = _id_before_quantize_from(cfg)
+        if recipe == "fp8_e2e":
+            assert run_config_hash(cfg) != old and "quantize_from" in hashed_dict(cfg)["fp8"]
+        else:
+            assert run_config_hash(cfg) == old and "quantize_from" not in hashed_dict(cfg)["fp8"]

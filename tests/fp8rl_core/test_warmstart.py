@@ -87,3 +87,49 @@ def test_dev_accuracy_counts_exact_greedy_answers(tmp_path):
     assert dev_accuracy(model, cfg, tok, task, echoed) == 1.0
     right = sum(task.reward(e, s) for e, s in zip(dev, said)) / len(dev)
     assert dev_accuracy(model, cfg, tok, task, dev) == right
+
+
+WS_TINY = ("warmstart.steps=2", "warmstart.eval_every=1", "warmstart.target_accuracy=1.0", "warmstart.dev_size=4",
+           "warmstart.batch_size=4")
+
+
+def test_emulated_bf16_warm_start_emulates_every_bf16_product_and_shares_the_cache(tmp_path, monkeypatch):
+    """model.bf16_compute=emulated: no matrix product of the warm start runs a BF16 kernel: its training
+    forwards (every linear, the LM head included) and its dev-accuracy engine (an emulating one) run
+    their linears as FP32 products on BF16-rounded operands. The checkpoint keeps plain HF names, and
+    its cache key is the native / auto one (summation order only), so a native config finds it instead
+    of training again."""
+    import torch.nn.functional as F
+
+    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+    from fp8rl_core.model.hf_io import load_pretrained
+
+    calls, engines = [], []
+    real_linear, real_generate = F.linear, NativeGenerationEngine.generate
+
+    def linear(x, w, b=None):  # True: a BF16 kernel (autocast on, or a BF16 operand)
+        calls.append(torch.is_autocast_enabled("cpu") or torch.bfloat16 in (x.dtype, w.dtype))
+        return real_linear(x, w, b)
+
+    def generate(self, *a, **kw):
+        engines.append(self.emulate_bf16)
+        return real_generate(self, *a, **kw)
+
+    monkeypatch.setattr(F, "linear", linear)
+    monkeypatch.setattr(NativeGenerationEngine, "generate", generate)
+    cfg = _cfg(tmp_path, "model.bf16_compute=emulated", *WS_TINY)
+    path = warm_start(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False)
+    assert int(_stamp(path)["steps"]) == 2  # trained (dev accuracy 1.0 is not reached in 2 steps)
+    assert engines == [True, True]  # one dev check per step, on an emulating engine
+    loaded = load_pretrained(path)
+    per_forward = 7 * loaded.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; LM head
+    assert len(calls) > 2 * per_forward and not any(calls)  # two training forwards, the dev engine's products
+    assert all(type(m) is torch.nn.Linear for m in loaded.modules() if isinstance(m, torch.nn.Linear))
+    for mode in ("native", "auto"):
+        other = _cfg(tmp_path, f"model.bf16_compute={mode}", *WS_TINY)
+        assert warmstart_key(other) == path.name
+        stamp = (path / "config.json").stat().st_mtime_ns
+        calls.clear()
+        assert warm_start(other, load_tokenizer(other), make_task(other.task), progress=False) == path
+        assert not calls and (path / "config.json").stat().st_mtime_ns == stamp  # found, not retrained
+    assert warmstart_key(_cfg(tmp_path, "model.dtype=fp32", *WS_TINY)) != path.name  # the dtype is in the key

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
+from fp8rl_core.model.bf16 import BF16_DOT_FLAGS, has_bf16_dot
 from fp8rl_core.model.config import ModelConfig
 
 SMALL = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -425,4 +427,124 @@ def test_fp8_bf16_generation_is_finite_and_close_to_bf16():
     # Stated loose tolerance: the token-mult-prob-error of FP8 generation vs BF16 scoring (docs/design.md's
     # metric) lies in (1, 1.2); measured ~1.03-1.05 on this random model.
     tmpe = float(torch.cat(errors).exp().mean())
+    assert 1.0 < tmpe < 1.2
+
+
+# ---- model.bf16_compute: emulated BF16 products ----------------------------------------------------
+NO_BF16_DOT = (f"native BF16 needs one of the CPU flags {', '.join(BF16_DOT_FLAGS)} (this CPU has none; "
+               "torch's BF16 kernels would convert every element)")
+needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason=NO_BF16_DOT)
+
+
+def spy_matmuls(monkeypatch) -> list[tuple[str, str]]:
+    """Record every F.linear, F.scaled_dot_product_attention and torch.bmm call as (op, kind): kind "bf16"
+    when it runs a BF16 kernel (a BF16 operand, or CPU autocast on), else its operands' dtype ("float32").
+    Results unchanged. (oneDNN's prepacked linear, the native engine's other BF16 GEMM, is not an op
+    seen here: the emulated engine must not prepack.)"""
+    calls: list[tuple[str, str]] = []
+
+    def wrap(module, name: str) -> None:
+        real = getattr(module, name)
+
+        def spy(*a, **kw):
+            operands = [t for t in a[:3] if isinstance(t, torch.Tensor)]
+            bf16 = torch.is_autocast_enabled("cpu") or any(t.dtype == torch.bfloat16 for t in operands)
+            calls.append((name, "bf16" if bf16 else str(operands[0].dtype).removeprefix("torch.")))
+            return real(*a, **kw)
+
+        monkeypatch.setattr(module, name, spy)
+
+    wrap(F, "linear")
+    wrap(F, "scaled_dot_product_attention")
+    wrap(torch, "bmm")
+    return calls
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_emulate_bf16_runs_no_bf16_kernel(monkeypatch, fp8):
+    """emulate_bf16: no matrix product of generate runs a BF16 kernel. The fused linears (not prepacked
+    for oneDNN), the LM head, the prefill SDPA and both decode-attention bmm's all run in FP32 on upcast
+    operands (counted: for the BF16 engine every linear, the LM head at every step, one SDPA per layer
+    and prompt length, two bmm's per layer and decode step); FP8 layers keep their FP8 GEMMs."""
+    cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
+    model = hf_model(cfg)
+    engine = engine_for(model, cfg, dtype=torch.bfloat16, fp8=fp8, emulate_bf16=True)
+    assert engine.emulate_bf16 and all(blk.qkv.packed is None and blk.down.packed is None for blk in engine.blocks)
+    calls = spy_matmuls(monkeypatch)
+    steps, layers = 4, cfg.num_hidden_layers
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=steps, seed=0))
+    assert not [c for c in calls if c[1] == "bf16"], calls
+    count = {op: sum(c[0] == op for c in calls) for op in ("linear", "bmm", "scaled_dot_product_attention")}
+    groups = len({len(p) for p in PROMPTS})  # prefill: one forward per group of equal-length prompts
+    assert count["scaled_dot_product_attention"] == groups * layers and count["bmm"] == 2 * layers * (steps - 1)
+    if not fp8:  # (FP8 layers' GEMMs may call F.linear in FP32 themselves)
+        assert count["linear"] == (groups + steps - 1) * 4 * layers + steps  # qkv, o, gate_up, down; LM head
+    assert not engine_for(model, cfg, dtype=torch.float32, emulate_bf16=True).emulate_bf16  # FP32: no BF16 products
+
+
+@needs_bf16_dot
+def test_emulated_engine_agrees_with_native_within_bf16_noise(monkeypatch):
+    """Same weights and prompts: the emulated and native BF16 engines differ (the flag is not ignored:
+    here at least the prefill SDPA, whose native kernel rounds P to BF16), by BF16 noise only: their
+    logits lie within 2% (relative to max |logit|) of each other, as each does of FP32 (within 5%), and
+    greedy decoding picks the same tokens on this well-separated random model. The native engine runs
+    BF16 kernels (LM head, attention; its block linears are prepacked oneDNN BF16 GEMMs)."""
+    cfg = ModelConfig(**SMALL, eos_token_id=None)
+    model = hf_model(cfg)
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = ids != 0
+    native = engine_for(model, cfg, dtype=torch.bfloat16)
+    emulated = engine_for(model, cfg, dtype=torch.bfloat16, emulate_bf16=True)
+    exact = engine_for(model, cfg).logits(ids, mask)
+    a, b = native.logits(ids, mask), emulated.logits(ids, mask)
+    assert not torch.equal(a, b)
+    assert rel_err(a, b) < 0.02 and rel_err(a, exact) < 0.05 and rel_err(b, exact) < 0.05
+    sp = SamplingParams(max_new_tokens=6, greedy=True)
+    expected = emulated.generate(PROMPTS, sp).response_ids
+    calls = spy_matmuls(monkeypatch)
+    assert torch.equal(native.generate(PROMPTS, sp).response_ids, expected)
+    assert {op for op, kind in calls if kind == "bf16"} == {"linear", "bmm", "scaled_dot_product_attention"}
+
+
+# ---- engines.kernels: matched (score replays generate) ------------------------------------------------
+
+@pytest.mark.parametrize("path", ["emulated", "native"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_score_returns_generates_logprobs_bit_for_bit(fp8, path):
+    """score(prompts, generate's output, T) replays generate's decode on the engine's weights: the same
+    log-probs bit for bit, for prompts of different lengths (two of them repeated), rows that end with
+    EOS early (pad fed after it, log-prob 0) and rows that run to max_new_tokens; on the generating
+    engine and on a second engine refit with the same weights."""
+    if path == "native" and not has_bf16_dot():
+        pytest.skip(NO_BF16_DOT)
+    prompts = PROMPTS + [[1, 2, 3, 4, 6, 7, 9, 10, 12, 13, 2]] + PROMPTS[:2]
+    sp = SamplingParams(max_new_tokens=8, temperature=0.7, seed=4)
+    kw = dict(dtype=torch.bfloat16, fp8=fp8, emulate_bf16=path == "emulated")
+    base = ModelConfig(**FP8_CFG, eos_token_id=None)
+    model = hf_model(base)
+    free = engine_for(model, base, **kw).generate(prompts, sp)
+    eos = int(free.response_ids[0, 2])  # row 0 samples it at step 2 (same seed: same draws until then)
+    cfg = ModelConfig(**FP8_CFG, eos_token_id=eos, pad_token_id=0)
+    engine = engine_for(model, cfg, **kw)
+    out = engine.generate(prompts, sp)
+    assert out.finished[0] and not out.finished.all() and not out.response_mask.all()
+    for scorer in (engine, engine_for(model, cfg, **kw)):
+        lp = scorer.score(prompts, out, sp.temperature)
+        assert lp.dtype == torch.float32 and lp.shape == out.logprobs.shape
+        assert torch.equal(lp, out.logprobs)
+
+
+def test_score_on_a_bf16_engine_of_fp8_samples_differs_but_stays_close():
+    """fp8_gen's matched replay scores FP8 samples with a BF16 engine: not the sampler's log-probs
+    (FP8 vs BF16 weights), but within the FP8 error of them (the same tolerance as
+    test_fp8_bf16_generation_is_finite_and_close_to_bf16)."""
+    cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
+    model = hf_model(cfg)
+    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, fp8=True, emulate_bf16=True)
+    bf16 = engine_for(model, cfg, dtype=torch.bfloat16, emulate_bf16=True)
+    out = fp8.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
+    lp = bf16.score(PROMPTS, out, 1.0)
+    assert not torch.equal(lp, out.logprobs)
+    tmpe = float((out.logprobs - lp)[out.response_mask].exp().mean())
     assert 1.0 < tmpe < 1.2

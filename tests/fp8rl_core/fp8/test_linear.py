@@ -214,3 +214,66 @@ def test_fp8_linear_direct_cpu_path_gives_the_general_paths_bits(monkeypatch, dt
     monkeypatch.setattr(functional, "linear_from_operands", None)  # the general path would now fail
     direct = fp8_linear(x, w)
     assert direct.dtype == dtype and torch.equal(direct, general)
+
+
+# ---- fp8.quantize_from: what Q(W) quantizes ---------------------------------------------------------
+def _codes(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """An Fp8Weight's E4M3 codes as bytes (bitwise comparable) and its scales."""
+    return w.q.view(torch.uint8), w.scale
+
+
+def test_quantize_dtype_bf16_quantizes_what_the_generation_engine_quantizes():
+    """quantize_dtype=bf16: Q(W) is Q(bf16(W)) bit for bit, the very quantization the generation engine's
+    refit does (`fuse_linear` on the BF16 copy it is sent); None: Q of the FP32 master, which differs for
+    a weight whose values are not BF16-representable. Under autocast the trainer's forward then equals
+    the engine's FP8 linear bit for bit."""
+    from fp8rl_core.config import Fp8Spec
+    from fp8rl_core.engines.native_gen import fuse_linear
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(300, 256, bias=False, quantize_dtype=torch.bfloat16)  # 256 rows: no FP8 row padding
+    master = Fp8Linear.from_linear(layer)  # same Parameter, quantize_dtype None (fp8.quantize_from: master)
+    w = layer.weight.detach()
+    assert not torch.equal(w, w.bfloat16().float())  # FP32 values that BF16 rounds
+    engine = fuse_linear([w.bfloat16()], [None], Fp8Spec())
+    ours, direct = _codes(layer.quantized_weight()), _codes(quantize_weight(w.bfloat16()))
+    for a, b, c in zip(ours, direct, _codes(engine.weight)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    q_master, s_master = _codes(master.quantized_weight())
+    assert not (torch.equal(q_master, ours[0]) and torch.equal(s_master, ours[1]))
+    x = torch.randn(4, 6, 300)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y_train = layer(x)
+    y_gen = engine(x.bfloat16())
+    assert y_train.dtype == y_gen.dtype == torch.bfloat16 and torch.equal(y_train, y_gen)
+    assert "quantize_from=bfloat16" in repr(layer) and "quantize_from=as stored" in repr(master)
+
+
+def test_quantize_dtype_is_part_of_the_weight_cache_key():
+    """Switching quantize_dtype on a layer re-quantizes (the cached Q(W) of the other source is not reused)."""
+    torch.manual_seed(0)
+    layer = Fp8Linear(256, 128, bias=False)
+    as_stored = _codes(layer.quantized_weight())
+    layer.quantize_dtype = torch.bfloat16
+    rounded = _codes(layer.quantized_weight())
+    assert all(torch.equal(a, b) for a, b in zip(rounded, _codes(quantize_weight(layer.weight.bfloat16()))))
+    assert not all(torch.equal(a, b) for a, b in zip(as_stored, rounded))
+
+
+@pytest.mark.parametrize("source, compute, expected", [
+    ("bf16", torch.bfloat16, torch.bfloat16), ("master", torch.bfloat16, None),
+    ("bf16", torch.float32, torch.float32),  # FP32 compute: the master itself is the copy generation gets
+])
+def test_training_engine_honours_quantize_from(source, compute, expected):
+    from fp8rl_core.config import Fp8Spec
+    from fp8rl_core.engines.native_train import NativeTrainingEngine
+    from fp8rl_core.model import ModelConfig, build_model
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2))
+    engine = NativeTrainingEngine(model, fp8_training=True, fp8_spec=Fp8Spec(quantize_from=source),
+                                  compute_dtype=compute)
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == len(engine.fp8_modules) == 14
+    assert all(m.quantize_dtype == expected for m in layers)
