@@ -155,17 +155,23 @@ def build_trainers(cfg: RunConfig, path: Path, device: str, mesh: Mesh) -> tuple
     return train, build_reference(cfg, path, device, mesh) if cfg.loss.kl_coef > 0 else None
 
 
-def build_engines(cfg: RunConfig, path: Path, model_config: Any, device: str, mesh: Mesh) -> tuple[Any, Any, Any]:
-    """(generation, training, reference or None) engines; the caller refits the first from the second.
+def build_engines(cfg: RunConfig, path: Path, model_config: Any, device: str, mesh: Mesh
+                  ) -> tuple[Any, Any, Any, Any]:
+    """(generation, BF16 generation or None, training, reference or None) engines; the caller refits the
+    generation engines from the trainer.
 
-    vLLM starts first, on `path`, and sleeps: its start-up free-memory check must run before the
-    trainer's FP32 master weights take the GPU (VllmGenerationEngine.start). Native: as it always was."""
+    vLLM starts first, on `path`, and sleeps (the BF16 evaluation engine of an FP8 arm likewise): their
+    start-up free-memory checks must run before the trainer's FP32 master weights take the GPU
+    (VllmGenerationEngine.start). Native: the trainers, then the generation engines."""
+    rank = mesh.rank
     if cfg.engines.generation == "vllm":
-        gen = build_generation_engine(cfg, model_config, device, mesh.rank)
+        gen = build_generation_engine(cfg, model_config, device, rank)
         gen.start(path)
-        return (gen, *build_trainers(cfg, path, device, mesh))
+        bf16_gen = build_bf16_generation_engine(cfg, path, model_config, device, rank)
+        return (gen, bf16_gen, *build_trainers(cfg, path, device, mesh))
     train, ref = build_trainers(cfg, path, device, mesh)
-    return build_generation_engine(cfg, model_config, device, mesh.rank), train, ref
+    return (build_generation_engine(cfg, model_config, device, rank),
+            build_bf16_generation_engine(cfg, path, model_config, device, rank), train, ref)
 
 
 def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = None) -> RunContext:
@@ -191,11 +197,10 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     from fp8rl_core.model.hf_io import read_model_config
 
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
-    gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
+    gen, bf16_gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
     ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
-                     shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh,
-                     bf16_gen=build_bf16_generation_engine(cfg, path, model_config, device, mesh.rank),
+                     shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,
                      numerics=numerics_tags(cfg, device))
     ctx.refit_generation()
     return ctx

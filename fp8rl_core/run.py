@@ -158,17 +158,22 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
     status = "FAILED"
     try:
-        if done == 0 and rank0:
-            sink.log(0, _validate(ctx))
+        if done == 0:
+            ctx.bf16_engine()  # every rank: refitting the BF16 engine from sharded weights is a collective
+            if rank0:
+                sink.log(0, _validate(ctx))
         for step in range(done + 1, cfg.train.steps + 1):
             try:
                 last = grpo_step(ctx)
             except FloatingPointError as e:
                 raise RunFailed(f"step {step}: {e}") from e
-            # validation runs on rank 0's generation engine only: it needs no collective, and the
-            # other ranks wait for it at the next step's first collective
-            if _is_val_step(cfg, step) and rank0:
-                last.update(_validate(ctx))
+            # validation runs on rank 0's generation engines only: it needs no collective, and the
+            # other ranks wait for it at the next step's first collective. The BF16 engine's refit reads
+            # the trainer's (sharded) weights, an all-gather per tensor: every rank takes part in it first
+            if _is_val_step(cfg, step):
+                ctx.bf16_engine()
+                if rank0:
+                    last.update(_validate(ctx))
             sink.log(step, last)
             if rank0:
                 after_step(ctx, sink, step)  # worst-token table, rollout for `explain` (fp8rl_core/diagnostics)

@@ -26,10 +26,12 @@ from fp8rl_core.schema import stable_hash, to_dict
 
 
 def warmstart_key(cfg: RunConfig) -> str:
-    ws, model = to_dict(cfg.warmstart), to_dict(cfg.model)
+    ws, model, task = to_dict(cfg.warmstart), to_dict(cfg.model), to_dict(cfg.task)
     ws.pop("cache_dir")
     model.pop("bf16_compute")  # summation order only (like threads): one warm start for both BF16 paths
-    return stable_hash({"model": model, "task": to_dict(cfg.task), "warmstart": ws})
+    if not task["scratchpad"]:
+        task.pop("scratchpad")  # added later: the key of every warm start without it stays as it was
+    return stable_hash({"model": model, "task": task, "warmstart": ws})
 
 
 def _emulates_bf16(cfg: RunConfig) -> bool:

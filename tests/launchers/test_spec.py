@@ -44,13 +44,20 @@ def test_repo_sweep_files_validate(path):
 
 
 def test_study_grids_are_recipes_by_is_by_seeds():
-    seeds = {"fp8_ablation.yaml": range(5), "smoke.yaml": range(2), "fp8_ablation_llama8b.yaml": range(2)}
+    seeds = {"fp8_ablation.yaml": range(7), "smoke.yaml": range(2), "fp8_ablation_llama8b.yaml": range(2)}
     for name, replicates in seeds.items():
         sweep, cells = load_and_expand(REPO / "sweeps" / name)
         got = {(c.config.recipe, c.config.loss.importance_sampling, c.config.seed) for c in cells}
         assert got == {(r, i, s) for r in ("bf16", "fp8_gen", "fp8_e2e") for i in ("none", "token") for s in replicates}
-    study, _ = load_and_expand(REPO / "sweeps" / "fp8_ablation.yaml")
+    study, cells = load_and_expand(REPO / "sweeps" / "fp8_ablation.yaml")
     assert (study.launcher.kind, study.launcher.max_parallel, study.spec.tracking.uri) == ("local", 2, "sqlite:///mlflow.db")
+    # the zero-mismatch floor: every recipe x seed once more with matched kernels, without IS
+    matched = {(c.config.recipe, c.config.loss.importance_sampling, c.config.seed) for c in cells
+               if c.config.engines.kernels == "matched"}
+    assert matched == {(r, "none", s) for r in ("bf16", "fp8_gen", "fp8_e2e") for s in range(7)}
+    # BF16 as the recipe says, on every CPU: no FP32 baseline, the path chosen by the machine
+    assert {(c.config.model.dtype, c.config.model.bf16_compute) for c in cells} == {("bf16", "auto")}
+    assert study.spec.analysis["accuracy_metric"] == "val_accuracy_bf16_eval"  # declared before the study ran
 
 
 def test_llama8b_mirrors_nemo_rl():

@@ -506,14 +506,23 @@ def test_builder_starts_vllm_before_the_trainer(fake_vllm, monkeypatch, tmp_path
     _record_builds(monkeypatch, events, fake_vllm)
     ctx = build_context(cfg, progress=False, mesh=SINGLE)
     asleep = [("sleep", 1)] if sleep else []
-    # one LLM, already built (and asleep when colocated) when the trainer and the reference are built
-    assert events == [("train", [asleep]), ("ref", [asleep])]
-    (llm,) = fake_vllm
+    # the arm's LLM (and, for FP8 generation, the BF16 evaluation engine's), already built and asleep
+    # when colocated, when the trainer and the reference are built
+    n = 2 if recipe == "fp8_gen" else 1
+    assert events == [("train", [asleep] * n), ("ref", [asleep] * n)]
+    llm = fake_vllm[0]
     # FP8: the refit's checkpoint writer converts the initial weights; BF16: vLLM reads the folder as it is
     folder = tmp_path / "out" / "vllm_checkpoint" if recipe == "fp8_gen" else path
     assert llm.kwargs["model"] == str(folder)
     assert ("quantization_config" in json.loads((folder / "config.json").read_text())) == (recipe == "fp8_gen")
     assert ctx.gen.llm is llm and ctx.train.weights() is not None
+    if recipe == "fp8_gen":  # one evaluation engine for every arm: the same backend, in BF16, on the folder
+        bf16_llm = fake_vllm[1]
+        assert ctx.bf16_gen.llm is bf16_llm and bf16_llm.kwargs["model"] == str(path)
+        assert "quantization" not in bf16_llm.kwargs or bf16_llm.kwargs["quantization"] is None
+        assert ctx.bf16_gen.checkpoint_dir != ctx.gen.checkpoint_dir  # its own refit folder, never the arm's
+    else:
+        assert len(fake_vllm) == 1 and ctx.bf16_gen is None
 
 
 def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):

@@ -262,7 +262,7 @@ def test_quantize_dtype_is_part_of_the_weight_cache_key():
 
 @pytest.mark.parametrize("source, compute, expected", [
     ("bf16", torch.bfloat16, torch.bfloat16), ("master", torch.bfloat16, None),
-    ("bf16", torch.float32, torch.float32),  # FP32 compute: the master itself is the copy generation gets
+    ("bf16", torch.float32, None),  # FP32 compute: the master itself is the copy generation gets
 ])
 def test_training_engine_honours_quantize_from(source, compute, expected):
     from fp8rl_core.config import Fp8Spec

@@ -140,3 +140,51 @@ def test_warmstart_label_noise_corrupts_exactly_one_digit():
                 for a, b in [ex.prompt[:-1].rsplit(op, 1)])
     assert all(noisy_task.reward(ex, ex.answer) == 1.0 for ex in clean)
     assert 0.4 < wrong / len(noisy) < 0.6  # about half the targets corrupted
+
+
+# ---- the scratchpad variant (task.scratchpad) -----------------------------------------------------------
+def _parse_worked(text: str) -> tuple[list[tuple[int, str, int, int]], int]:
+    """Independent reading of a worked completion: [(x, op, y, z) for each 'x<op>y=z'], final answer."""
+    work, _, answer = text.rpartition(":")
+    steps = []
+    for part in work.split(";"):
+        m = re.fullmatch(r"(-?\d+)([+-])(-?\d+)=(-?\d+)", part)
+        assert m, f"malformed step {part!r} in {text!r}"
+        steps.append((int(m[1]), m[2], int(m[3]), int(m[4])))
+    return steps, int(answer)
+
+
+def test_scratchpad_work_is_correct_arithmetic_ending_in_the_answer():
+    """Every step of the work is true arithmetic, the place-value parts sum to the result, and the text
+    after the last ':' is the answer, over many random prompts of every digit count."""
+    from fp8rl_core.tasks.arithmetic import worked
+
+    task = ArithmeticTask(digits=3, scratchpad=True, val_size=16)
+    for ex in task.sample_train(random.Random(5), 400):
+        steps, answer = _parse_worked(worked(ex.prompt))
+        assert answer == int(ex.answer)
+        for x, op, y, z in steps:
+            assert z == (x + y if op == "+" else x - y)
+        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", ex.prompt).groups()
+        n = max(len(a), len(b))
+        parts = steps[:n]  # one per place value, most significant first
+        assert [x for x, _, _, _ in parts] == [int(a) // 10**i % 10 * 10**i for i in reversed(range(n))]
+        assert sum(z for _, _, _, z in parts) == answer
+
+
+def test_scratchpad_reward_reads_the_final_answer_and_sft_targets_the_work():
+    task = ArithmeticTask(digits=2, scratchpad=True, val_size=16)
+    ex = Example("37-59=", "-22")
+    assert task.sft_text(ex) == ("37-59=", "30-50=-20;7-9=-2;-20+-2=-22:-22")
+    assert task.reward(ex, "30-50=-20;7-9=-2;-20+-2=-22:-22") == 1.0
+    assert task.reward(ex, "garbage:-22") == 1.0  # the work is not graded
+    assert task.reward(ex, "30-50=-20;7-9=-2;-20+-2=-22:-21") == 0.0
+    assert task.reward(ex, "-22") == 1.0 and task.reward(ex, "") == 0.0
+    plain = ArithmeticTask(digits=2, val_size=16)
+    assert plain.sft_text(ex) == ("37-59=", "-22") and plain.reward(ex, "x:-22") == 0.0
+    assert set(";:+") <= set(task.alphabet())
+
+
+def test_scratchpad_refuses_multiplication():
+    with pytest.raises(ValueError, match="task.scratchpad"):
+        ArithmeticTask(digits=2, operators=("+", "*"), scratchpad=True, val_size=16)
