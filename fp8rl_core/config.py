@@ -86,6 +86,9 @@ class TaskSpec:
             fail("operators", f"{bad or 'empty'} not allowed", "+, -, *")
         if self.name == "jsonl" and not self.train_path:
             fail("train_path", "required when name is jsonl")
+        if self.scratchpad and (self.name != "arithmetic" or "*" in self.operators):
+            fail("scratchpad", "worked completions exist for the arithmetic task's + and - only",
+                 "false, or name arithmetic with operators from +, -")
 
 
 @dataclass

@@ -39,15 +39,18 @@ def greedy_accuracy(gen: GenerationEngine, tokenizer: Any, task: Any, examples: 
 
 
 def validation_metrics(gen: GenerationEngine, tokenizer: Any, task: Any, sampling: SamplingParams,
-                       samples: int, batch_size: int = 512) -> dict[str, float]:
-    """{'val_accuracy': sampled pass@1 over `samples` draws per prompt, 'val_accuracy_greedy': ...}."""
+                       samples: int, batch_size: int = 512, greedy: bool = True) -> dict[str, float]:
+    """{'val_accuracy': sampled pass@1 over `samples` draws per prompt, 'val_accuracy_greedy': ...}.
+    greedy=False: val_accuracy alone (no greedy pass unless samples is 0, when it is val_accuracy)."""
     saved = gen.generator.get_state()
     try:
-        out = {"val_accuracy_greedy": greedy_accuracy(gen, tokenizer, task, task.val_examples,
-                                                      sampling.max_new_tokens, batch_size)}
+        out = {}
+        if greedy or samples == 0:
+            out["val_accuracy_greedy"] = greedy_accuracy(gen, tokenizer, task, task.val_examples,
+                                                         sampling.max_new_tokens, batch_size)
         repeated = [ex for ex in task.val_examples for _ in range(samples)]
         out[M_VAL_ACC] = (_mean_reward(gen, tokenizer, task, repeated, replace(sampling, seed=VAL_SEED),
                                             batch_size) if samples > 0 else out["val_accuracy_greedy"])
-        return out
+        return out if greedy else {M_VAL_ACC: out[M_VAL_ACC]}
     finally:
         gen.generator.set_state(saved)

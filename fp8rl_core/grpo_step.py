@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ from fp8rl_core.fp8.gemm import executor_flags
 from fp8rl_core.importance import compute_importance, importance_stats
 from fp8rl_core.metrics import token_mult_prob_error
 from fp8rl_core.recipes import get_recipe
-from fp8rl_core.rollout import broadcast_advantages, build_train_batch, split_rows
+from fp8rl_core.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
 from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
 
 
@@ -133,8 +133,7 @@ def replayed_logprobs(ctx: RunContext, prompts: list[list[int]], out: Any, batch
     generation engine's computation replayed in decode order on the trainer's weights, placed where
     batch.gen_logprobs sits (rollout.build_train_batch's layout); 0 off response_mask."""
     lp = ctx.replay_engine().score(prompts, out, ctx.cfg.rollout.temperature)
-    placed = build_train_batch(prompts, replace(out, logprobs=lp.cpu()), ctx.tokenizer.pad_id).gen_logprobs
-    return placed.to(batch.gen_logprobs.device)
+    return place_response_values(lp, batch.response_mask).to(batch.gen_logprobs.device)
 
 
 def _train(ctx: RunContext, batch: TrainBatch, reuse: bool) -> dict[str, float]:

@@ -21,16 +21,26 @@ def build_train_batch(prompts: list[list[int]], out: GenerationOutput, pad_id: i
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, T), dtype=torch.bool)
     response = torch.zeros((B, T), dtype=torch.bool)
-    gen_lp = torch.zeros((B, T), dtype=torch.float32)
     for i, (p, n) in enumerate(zip(prompts, lengths)):
         L, n = len(p), int(n)
         input_ids[i, :L] = torch.tensor(p, dtype=torch.long)
         input_ids[i, L:L + n] = out.response_ids[i, :n]
         attention[i, :L + n] = True
         response[i, L:L + n] = True
-        gen_lp[i, L:L + n] = out.logprobs[i, :n].float()
     return TrainBatch(input_ids=input_ids, attention_mask=attention, response_mask=response,
-                      gen_logprobs=gen_lp)
+                      gen_logprobs=place_response_values(out.logprobs, response))
+
+
+def place_response_values(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-response-token values Float[B, R] (left-aligned, as a GenerationOutput holds them) -> Float32[B, T]
+    at the batch's response positions (response_mask Bool[B, T]; a row's k valid tokens take its first k
+    values), 0 elsewhere."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    mask = response_mask.cpu()
+    counts = mask.sum(dim=1)
+    taken = torch.arange(values.shape[1])[None, :] < counts[:, None]  # [B, R]: the values that count
+    out[mask] = values.detach().cpu().float()[taken]
+    return out
 
 
 def broadcast_advantages(adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,7 @@ from fp8rl_core.evaluate import validation_metrics
 from fp8rl_core.grpo_step import RunContext, grpo_step, sampling_params
 from fp8rl_core.hold import hold_after
 from fp8rl_core.schema import flatten, to_dict
-from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
-from fp8rl_core.tracking import TAG_BF16_COMPUTE as TAG_BF16_PATH
+from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE
 from fp8rl_core.tracking.sink import NullSink, make_run_sink
 
 
@@ -43,7 +42,7 @@ def _capture(ctx: RunContext, step: int) -> dict[str, Any]:
     (Model, optimizer and engine step go through DCP: ckpt.EngineState.)"""
     return {"step": step, "data_rng": ctx.data_rng.getstate(), "shuffle": ctx.shuffle.get_state(),
             "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state(),
-            "bf16_compute": ctx.numerics.get(TAG_BF16_PATH, "")}
+            "bf16_compute": ctx.numerics.get(TAG_BF16_COMPUTE, "")}
 
 
 def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> int:
@@ -66,7 +65,7 @@ def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> i
 def _warn_on_path_switch(ctx: RunContext, before: str | None) -> None:
     """A resume on a machine that resolves model.bf16_compute to the other path: same numerics by
     definition (summation order aside), so it goes on, but says so (the attempt's tag records it)."""
-    now = ctx.numerics.get(TAG_BF16_PATH, "")
+    now = ctx.numerics.get(TAG_BF16_COMPUTE, "")
     if before and now and before != now and ctx.mesh.is_rank0:
         warnings.warn(f"{ctx.cfg.output_dir}: resuming with BF16 path {now!r}, the checkpoint was written with "
                       f"{before!r} (model.bf16_compute={ctx.cfg.model.bf16_compute!r} on another CPU kind?); the "
@@ -78,14 +77,20 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _validate(ctx: RunContext) -> dict[str, float]:
-    """Validation on the arm's own generation engine, and `val_accuracy_bf16_eval`: the same prompts and
-    sampling seed through the BF16 engine (the arm's own for a BF16-generating recipe)."""
+def _validate(ctx: RunContext) -> dict[str, float] | None:
+    """Collective. Rank 0's metrics (None elsewhere): validation on the arm's own generation engine, and
+    `val_accuracy_bf16_eval`: the same prompts and sampling seed through the BF16 engine (the arm's own
+    for a BF16-generating recipe). Every rank takes part in the BF16 engine's refit (from sharded weights
+    an all-gather per tensor); the generation itself runs on rank 0 alone and needs no collective (the
+    other ranks wait for it at the next step's first one)."""
+    neutral_engine = ctx.bf16_engine()
+    if not ctx.mesh.is_rank0:
+        return None
     sampling, samples = sampling_params(ctx.cfg), ctx.cfg.train.val_samples
     out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples)
-    neutral = out if ctx.bf16_gen is None else validation_metrics(ctx.bf16_engine(), ctx.tokenizer, ctx.task,
-                                                                  sampling, samples)
-    return {**out, M_VAL_ACC_BF16_EVAL: neutral[M_VAL_ACC]}
+    out[M_VAL_ACC_BF16_EVAL] = out[M_VAL_ACC] if neutral_engine is ctx.gen else validation_metrics(
+        neutral_engine, ctx.tokenizer, ctx.task, sampling, samples, greedy=False)[M_VAL_ACC]
+    return out
 
 
 def _is_val_step(cfg: RunConfig, step: int) -> bool:
@@ -158,22 +163,15 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
     status = "FAILED"
     try:
-        if done == 0:
-            ctx.bf16_engine()  # every rank: refitting the BF16 engine from sharded weights is a collective
-            if rank0:
-                sink.log(0, _validate(ctx))
+        if done == 0 and (metrics := _validate(ctx)) is not None:
+            sink.log(0, metrics)
         for step in range(done + 1, cfg.train.steps + 1):
             try:
                 last = grpo_step(ctx)
             except FloatingPointError as e:
                 raise RunFailed(f"step {step}: {e}") from e
-            # validation runs on rank 0's generation engines only: it needs no collective, and the
-            # other ranks wait for it at the next step's first collective. The BF16 engine's refit reads
-            # the trainer's (sharded) weights, an all-gather per tensor: every rank takes part in it first
             if _is_val_step(cfg, step):
-                ctx.bf16_engine()
-                if rank0:
-                    last.update(_validate(ctx))
+                last.update(_validate(ctx) or {})
             sink.log(step, last)
             if rank0:
                 after_step(ctx, sink, step)  # worst-token table, rollout for `explain` (fp8rl_core/diagnostics)

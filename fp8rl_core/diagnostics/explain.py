@@ -138,9 +138,7 @@ def _as_run_trainer(model, cfg, fp8_training: bool, temp: float, dtype) -> Train
     if fp8_training:
         from fp8rl_core.model.fp8_policy import apply_fp8
 
-        # the BF16 rounding of the master, as NativeTrainingEngine quantizes with fp8.quantize_from bf16
-        source = torch.bfloat16 if cfg.fp8.quantize_from == "bf16" and dtype == torch.bfloat16 else None
-        apply_fp8(side.model, cfg.fp8, quantize_dtype=source)  # the real Fp8Linear forward the run's trainer uses
+        apply_fp8(side.model, cfg.fp8, dtype)  # the real Fp8Linear forward (and weight source) the run's trainer uses
     return side
 
 

@@ -62,24 +62,25 @@ class FusedLinear:
     power_of_two: bool = False
     check_finite: bool = False
     packed: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (BF16 on CPU), see pack_for_cpu
-    emulate_bf16: bool = False  # BF16 product emulated in FP32 (model.bf16_compute: emulated; model/bf16.py)
-    upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None  # FP32 copies of the BF16 weight and bias
+    # emulated BF16 (model.bf16_compute: emulated; model/bf16.py): FP32 copies of the BF16 weight and bias,
+    # made once per refit (exact), that the product runs on
+    upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, Fp8Weight):
             return fp8_linear(x, self.weight, power_of_two=self.power_of_two, check_finite=self.check_finite)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.upcast is not None and x.dtype == torch.bfloat16:  # = bf16.linear(emulate=True), weights upcast once
-            return F.linear(x.float(), *self.upcast).to(torch.bfloat16)
-        return bf16.linear(x, self.weight, self.bias, emulate=self.emulate_bf16)
+        if self.upcast is not None:
+            return bf16.linear_upcast(x, *self.upcast)
+        return F.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
         """Reorder a BF16 CPU weight once into oneDNN's blocked layout, as inference runtimes prepack
         (torch.compile's CPU freezing does the same): F.linear would reorder it on every call. The
         result is bitwise that of F.linear; checked on a probe, and skipped where oneDNN is missing."""
         w = self.weight
-        if isinstance(w, Fp8Weight) or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.emulate_bf16:
+        if isinstance(w, Fp8Weight) or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.upcast is not None:
             return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 128)
@@ -127,7 +128,7 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
     bias = cat([b if b is not None else mats[i].new_zeros(sizes[i]) for i, b in enumerate(biases)]) \
         if has_bias else None
     if spec is None:
-        linear = FusedLinear(weight, bias, starts, sizes, emulate_bf16=emulate_bf16)
+        linear = FusedLinear(weight, bias, starts, sizes)
         if emulate_bf16 and weight.dtype == torch.bfloat16:  # upcast once per refit, not per call (exact)
             linear.upcast = (weight.float(), None if bias is None else bias.float())
         linear.pack_for_cpu()
@@ -345,9 +346,9 @@ class NativeGenerationEngine:
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] -> logits [..., V] in the dtype (the LM head stays in the dtype: BF16)."""
-        if self._head32 is not None and hidden.dtype == torch.bfloat16:  # emulated, the weight upcast once
-            return F.linear(hidden.float(), self._head32).to(torch.bfloat16)
-        return bf16.linear(hidden, self.lm_head, emulate=self.emulate_bf16)
+        if self._head32 is not None:  # emulated BF16, the weight upcast once per refit
+            return bf16.linear_upcast(hidden, self._head32)
+        return F.linear(hidden, self.lm_head)
 
     def _start(self, prompts: list[list[int]], steps: int) -> tuple[KVCache, torch.Tensor, torch.Tensor, int]:
         """Prefill every prompt into a fresh cache with room for `steps` new tokens.

@@ -122,10 +122,7 @@ class NativeTrainingEngine:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.model, self.temperature, self.compute_dtype = model, float(temperature), compute_dtype
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
-        spec = fp8_spec or Fp8Spec()
-        # FP32 compute: the generation engine's copy is the FP32 master itself, nothing to round
-        source = torch.bfloat16 if spec.quantize_from == "bf16" and compute_dtype == torch.bfloat16 else None
-        self.fp8_modules = apply_fp8(model, spec, quantize_dtype=source) if fp8_training else []
+        self.fp8_modules = apply_fp8(model, fp8_spec or Fp8Spec(), compute_dtype) if fp8_training else []
         self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
         if self.emulate_bf16:
             emulate_bf16_matmuls(model)
@@ -372,7 +369,7 @@ class ReferencePolicy:
                  logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False) -> None:
         model.requires_grad_(False).eval()
         if fp8:
-            apply_fp8(model, fp8_spec or Fp8Spec())  # weights already in the compute dtype: one source
+            apply_fp8(model, fp8_spec or Fp8Spec(), compute_dtype)
         if emulate_bf16 and compute_dtype == torch.bfloat16:
             emulate_bf16_matmuls(model)
         self.mesh, self.device = mesh or SINGLE, torch.device(device)

@@ -58,6 +58,14 @@ def has_bf16_dot(flags: frozenset[str] | None = None) -> bool:
     return bool(set(BF16_DOT_FLAGS) & (cpu_flags() if flags is None else flags))
 
 
+def missing_bf16_dot() -> str:
+    """Why native BF16 is slow here ("" where the CPU has BF16 dot products): a skip reason naming the flags."""
+    if has_bf16_dot():
+        return ""
+    return (f"native BF16 needs one of the CPU flags {', '.join(BF16_DOT_FLAGS)}; this CPU has none "
+            "(torch's BF16 kernels would convert every element)")
+
+
 def recorded_flags() -> str:
     """The decision-relevant CPU flags present here, comma-separated ("" when none is)."""
     return ",".join(f for f in RECORDED_FLAGS if f in cpu_flags())
@@ -89,8 +97,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, emul
     as a BF16 addmm adds it to its FP32 accumulator."""
     if not (emulate and _is_bf16(x, w, b)):
         return F.linear(x, w, b)
+    return linear_upcast(x, w.float(), None if b is None else b.float())
+
+
+def linear_upcast(x: torch.Tensor, w32: torch.Tensor, b32: torch.Tensor | None = None) -> torch.Tensor:
+    """The emulated BF16 linear on FP32 copies of BF16 weights (an engine upcasts them once per refit,
+    exactly): bf16(fp32(x) w32^T + b32)."""
     with torch.autocast(x.device.type, enabled=False):
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
+        return F.linear(x.float(), w32, b32).to(torch.bfloat16)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, emulate: bool = False) -> torch.Tensor:

@@ -25,11 +25,13 @@ def fp8_exclusions(cfg: ModelConfig, spec: Fp8Spec) -> tuple[str, ...]:
     return ("lm_head", *(f"model.layers.{i}.*" for i in bf16_blocks(cfg, spec)))
 
 
-def apply_fp8(model: CausalLM, spec: Fp8Spec, quantize_dtype: torch.dtype | None = None) -> list[str]:
+def apply_fp8(model: CausalLM, spec: Fp8Spec, compute_dtype: torch.dtype | None = None) -> list[str]:
     """Swap, in place, the model's nn.Linear layers for Fp8Linear except `fp8_exclusions`.
 
-    quantize_dtype: Q(W) quantizes the weight rounded to it (the BF16 copy both engines quantize,
-    `fp8.quantize_from: bf16`); None: the parameter as stored (`master`). See fp8/linear.py.
+    Quantization source (`fp8.quantize_from`, fp8/linear.py): with BF16 compute and `bf16`, Q(W)
+    quantizes the BF16 rounding of the weight, the copy the generation engine is refit with and
+    quantizes; `master` (or FP32 compute, where the generation engine holds the FP32 master itself)
+    quantizes the parameter as stored.
 
     Parameters are shared, not copied, so an optimizer built before or after sees the same tensors.
     Idempotent: layers that already are Fp8Linear are left alone. Returns the converted names.
@@ -38,4 +40,10 @@ def apply_fp8(model: CausalLM, spec: Fp8Spec, quantize_dtype: torch.dtype | None
 
     return convert_linear_layers(model, exclude=fp8_exclusions(model.config, spec),
                                  power_of_two=spec.power_of_two_scales, check_finite=spec.check_finite,
-                                 quantize_dtype=quantize_dtype)
+                                 quantize_dtype=quantize_source(spec, compute_dtype))
+
+
+def quantize_source(spec: Fp8Spec, compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype Fp8Linear rounds a weight to before Q(W) (None: as stored); see apply_fp8."""
+    bf16 = compute_dtype == torch.bfloat16 and spec.quantize_from == "bf16"
+    return torch.bfloat16 if bf16 else None

@@ -22,11 +22,22 @@ def test_defaults_and_overrides_typed():
     ("task.operators=[/]", "task.operators"),
     ("train", "train: an override must read key=value"),
     ("parallel.grad_reduce=never", "parallel.grad_reduce: 'never' is not allowed; valid: micro_batch, step"),
+    ("model.bf16_compute=fast", "model.bf16_compute: 'fast' is not allowed; valid: auto, native, emulated"),
+    ("fp8.quantize_from=fp32", "fp8.quantize_from: 'fp32' is not allowed; valid: bf16, master"),
+    ("engines.kernels=same", "engines.kernels: 'same' is not allowed; valid: distinct, matched"),
 ])
 def test_bad_values_name_key_and_choices(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_run_config(None, [override])
     assert fragment in str(e.value)
+
+
+@pytest.mark.parametrize("overrides", [["task.scratchpad=true", "task.operators=[+, '*']"],
+                                       ["task.scratchpad=true", "task.name=jsonl", "task.train_path=x.jsonl"]])
+def test_scratchpad_is_refused_where_no_worked_completion_exists(overrides):
+    """At the edge (sweep plan, --print-config), not inside a cell that then fails its retries."""
+    with pytest.raises(ConfigError, match=r"task.scratchpad: .*\+ and - only; valid: false"):
+        load_run_config(None, overrides)
 
 
 def test_file_errors_name_the_file(tmp_path):
@@ -64,17 +75,6 @@ def test_new_numerics_keys_defaults_and_values():
         assert load_run_config(None, [f"model.bf16_compute={mode}"]).model.bf16_compute == mode
     assert load_run_config(None, ["fp8.quantize_from=master"]).fp8.quantize_from == "master"
     assert load_run_config(None, ["engines.kernels=matched"]).engines.kernels == "matched"
-
-
-@pytest.mark.parametrize("override, fragment", [
-    ("model.bf16_compute=fast", "model.bf16_compute: 'fast' is not allowed; valid: auto, native, emulated"),
-    ("fp8.quantize_from=fp32", "fp8.quantize_from: 'fp32' is not allowed; valid: bf16, master"),
-    ("engines.kernels=same", "engines.kernels: 'same' is not allowed; valid: distinct, matched"),
-])
-def test_new_numerics_keys_bad_values(override, fragment):
-    with pytest.raises(ConfigError) as e:
-        load_run_config(None, [override])
-    assert fragment in str(e.value)
 
 
 @pytest.mark.parametrize("engine", ["engines.generation=vllm", "engines.training=megatron"])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fp8rl_core.config import load_run_config
+from fp8rl_core.model import bf16
 from fp8rl_core.run import run
 
 
@@ -92,7 +93,6 @@ def test_reused_old_logprobs_equal_the_two_pass_run(tmp_path, recipe):
 
 
 # ---- engines.kernels, val_accuracy_bf16_eval, model.bf16_compute end to end --------------------------
-NO_BF16_DOT = "native BF16 needs one of the CPU flags avx512_bf16, amx_bf16, bf16 (this CPU has none)"
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +119,9 @@ def test_matched_kernels_give_the_zero_mismatch_floor(tmp_path, ws_dir, monkeypa
     every step; fp8_gen replays on a BF16 engine (its trainer's precision), so its FP8 sampling mismatch
     stays (> 1). On either BF16 path, which every engine of the run takes."""
     import fp8rl_core.run as run_mod
-    from fp8rl_core.model.bf16 import has_bf16_dot
 
-    if path == "native" and not has_bf16_dot():
-        pytest.skip(NO_BF16_DOT)
+    if path == "native" and not bf16.has_bf16_dot():
+        pytest.skip(bf16.missing_bf16_dot())
     ctxs, real_build = [], run_mod.build_context
     monkeypatch.setattr(run_mod, "build_context", lambda *a, **kw: ctxs.append(real_build(*a, **kw)) or ctxs[-1])
     run(_tiny_ws(tmp_path, ws_dir, "run", f"recipe={recipe}", "engines.kernels=matched",
@@ -201,11 +200,10 @@ def test_numerics_tags_per_attempt_and_a_warning_when_a_resume_switches_path(tmp
 
     from fp8rl_core import checkpoint as ckpt
     from fp8rl_core.fp8.gemm import select_executor
-    from fp8rl_core.model import bf16
     from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
 
     if not bf16.has_bf16_dot():
-        pytest.skip(NO_BF16_DOT + ": the resumed half runs native BF16")
+        pytest.skip(bf16.missing_bf16_dot() + ": the resumed half runs native BF16")
     cfg = _tiny_ws(tmp_path, ws_dir, "run", "recipe=fp8_e2e", f"tracking.uri={sqlite_uri}")
     out = tmp_path / "run"
     with monkeypatch.context() as m:  # first attempt: an AVX2-only node, `auto` -> emulated
@@ -232,7 +230,6 @@ def test_numerics_tags_name_the_path_flags_and_executor(monkeypatch):
     from fp8rl_core.builder import numerics_tags
     from fp8rl_core.config import load_run_config
     from fp8rl_core.fp8.gemm import select_executor
-    from fp8rl_core.model import bf16
 
     monkeypatch.setattr(bf16, "cpu_flags", lambda: frozenset({"sse2", "avx2", "avx512f"}))
     tags = numerics_tags(load_run_config(None, []), "cpu")

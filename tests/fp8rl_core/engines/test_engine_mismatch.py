@@ -11,7 +11,7 @@ from fp8rl_core.builder import build_generation_engine, build_training_engine, l
 from fp8rl_core.config import load_run_config
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.metrics import token_mult_prob_error
-from fp8rl_core.model.bf16 import has_bf16_dot
+from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.rollout import build_train_batch
 from fp8rl_core.tasks import make_task
@@ -94,8 +94,7 @@ def test_bf16_recipe_mismatch_is_bf16_sized_when_emulated(bf16_recipe_mismatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not has_bf16_dot(), reason="native BF16 needs one of the CPU flags avx512_bf16, amx_bf16, bf16 "
-                                              "(this CPU has none)")
+@pytest.mark.skipif(not has_bf16_dot(), reason=missing_bf16_dot())
 def test_bf16_recipe_mismatch_is_bf16_sized_when_native_and_agrees_with_emulated(bf16_recipe_mismatch):
     """Native BF16 kernels give a BF16-sized mismatch too, and the two paths' medians lie within a factor
     of 2 of each other (same definition, other summation order; measured ratios 1.0-1.2 over three

@@ -14,7 +14,7 @@ import transformers
 from fp8rl_core.config import Fp8Spec
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
-from fp8rl_core.model.bf16 import BF16_DOT_FLAGS, has_bf16_dot
+from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
 from fp8rl_core.model.config import ModelConfig
 
 SMALL = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -431,9 +431,7 @@ def test_fp8_bf16_generation_is_finite_and_close_to_bf16():
 
 
 # ---- model.bf16_compute: emulated BF16 products ----------------------------------------------------
-NO_BF16_DOT = (f"native BF16 needs one of the CPU flags {', '.join(BF16_DOT_FLAGS)} (this CPU has none; "
-               "torch's BF16 kernels would convert every element)")
-needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason=NO_BF16_DOT)
+needs_bf16_dot = pytest.mark.skipif(not has_bf16_dot(), reason=missing_bf16_dot())
 
 
 def spy_matmuls(monkeypatch) -> list[tuple[str, str]]:
@@ -517,7 +515,7 @@ def test_score_returns_generates_logprobs_bit_for_bit(fp8, path):
     EOS early (pad fed after it, log-prob 0) and rows that run to max_new_tokens; on the generating
     engine and on a second engine refit with the same weights."""
     if path == "native" and not has_bf16_dot():
-        pytest.skip(NO_BF16_DOT)
+        pytest.skip(missing_bf16_dot())
     prompts = PROMPTS + [[1, 2, 3, 4, 6, 7, 9, 10, 12, 13, 2]] + PROMPTS[:2]
     sp = SamplingParams(max_new_tokens=8, temperature=0.7, seed=4)
     kw = dict(dtype=torch.bfloat16, fp8=fp8, emulate_bf16=path == "emulated")

@@ -15,7 +15,7 @@ from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.fp8 import Fp8Linear
 from fp8rl_core.model import ModelConfig, build_model
-from fp8rl_core.model.bf16 import BF16_DOT_FLAGS, has_bf16_dot
+from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
 
 CFG = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
@@ -244,8 +244,7 @@ def test_reference_policy_honours_emulate_bf16():
                                 compute_dtype=torch.float32).model.lm_head) is nn.Linear
 
 
-@pytest.mark.skipif(not has_bf16_dot(),
-                    reason=f"native BF16 needs one of the CPU flags {', '.join(BF16_DOT_FLAGS)} (this CPU has none)")
+@pytest.mark.skipif(not has_bf16_dot(), reason=missing_bf16_dot())
 def test_emulated_logprobs_agree_with_native_within_bf16_noise(monkeypatch):
     """Emulated vs native BF16 training engine on the same weights: they differ in summation order only,
     so their log-probs agree within BF16 noise: max |diff| <= 0.01 between them, each within 0.02 of the

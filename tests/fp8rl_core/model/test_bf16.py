@@ -26,9 +26,7 @@ from fp8rl_core.model import bf16
 U = 2.0**-8  # BF16 unit roundoff
 U32 = 2.0**-24  # FP32 unit roundoff
 
-needs_bf16_dot = pytest.mark.skipif(
-    not bf16.has_bf16_dot(),
-    reason=f"native BF16 needs one of the CPU flags {', '.join(bf16.BF16_DOT_FLAGS)} (this CPU has none)")
+needs_bf16_dot = pytest.mark.skipif(not bf16.has_bf16_dot(), reason=bf16.missing_bf16_dot())
 
 
 def rnd(*shape: int, seed: int) -> torch.Tensor:
