@@ -141,10 +141,13 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
     out_dir = Path(cfg.output_dir)
     ckpt_dir = out_dir / "checkpoints"
     ctx = build_context(cfg, progress=progress)
+    clean = False
     try:
-        return _run_steps(ctx, out_dir, ckpt_dir, progress, stop_after)
+        metrics = _run_steps(ctx, out_dir, ckpt_dir, progress, stop_after)
+        clean = True
+        return metrics
     finally:
-        shutdown(ctx.mesh)
+        shutdown(ctx.mesh, clean=clean)
 
 
 

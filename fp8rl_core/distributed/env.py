@@ -9,6 +9,7 @@ stuck rank into a failed job (every other rank raises) instead of a hang.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
 from collections.abc import Mapping
@@ -97,12 +98,22 @@ def _mesh(rank: int, world_size: int, local_rank: int, device_type: str) -> Mesh
     return Mesh(world_size=world_size, rank=rank, local_rank=local_rank, device_mesh=device_mesh)
 
 
-def shutdown(mesh: Mesh) -> None:
+def shutdown(mesh: Mesh, clean: bool = True) -> None:
     """Destroy the process group if init_distributed created it (no-op at world size 1 or when the
-    caller owns the group)."""
+    caller owns the group).
+
+    clean: every rank got here without an error, so all meet at a barrier first. Without it a rank
+    that closes its gloo connections while a peer is still finishing its last collective can abort
+    that peer (SIGABRT, "terminate called without an active exception"). After an error there is no
+    barrier: the peers may never arrive, and this rank must not wait out the collective timeout. A
+    barrier that fails (a peer's connection already broken) is no reason to keep the group alive.
+    """
     import torch.distributed as dist
 
     global _OWNED
     if mesh.distributed and _OWNED and dist.is_initialized():
+        if clean:
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
         dist.destroy_process_group()
         _OWNED = False

@@ -259,6 +259,7 @@ def _rank_worker(rank: int, world: int, init: str, out: str) -> None:
         got = step_diagnostics(train[rows], gen[rows], mask[rows], w[rows], reduce=C.all_reduce_sums)
         if rank == 0:
             torch.save(got, out)
+        dist.barrier()  # meet before tearing gloo down, as fp8rl_core.distributed.shutdown does
     finally:
         dist.destroy_process_group()
 

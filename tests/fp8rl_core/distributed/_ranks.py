@@ -25,10 +25,12 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, out: str, timeout_
     from fp8rl_core.distributed import init_distributed, shutdown
 
     mesh = init_distributed(timeout_s=timeout_s, device_type="cpu")
+    clean = False
     try:
         result = fn(mesh, *args)
+        clean = True
     finally:
-        shutdown(mesh)
+        shutdown(mesh, clean=clean)
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 

@@ -62,6 +62,8 @@ def _worker(rank: int, world: int, port: int, root: str, phase: str, out: str) -
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         _phase(rank, world, Path(root), phase, Path(out))
+        if world > 1:  # meet before tearing gloo down, as fp8rl_core.distributed.shutdown does
+            dist.barrier()
     finally:
         if world > 1:
             dist.destroy_process_group()
