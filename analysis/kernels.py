@@ -3,7 +3,7 @@
     kernels_of(run)                 # "distinct" (the study) or "matched" (the zero-mismatch floor)
     only_kernels(data, MATCHED)     # the same SweepData (or list of runs) with only those runs
 
-The run config's `engines.kernels` (fp8rl_core/config.py `EngineSpec.kernels`) reaches MLflow as the
+The run config's `engines.kernels` (fp8rl_core/config/run_config.py `EngineSpec.kernels`) reaches MLflow as the
 child run's param `engines.kernels` (params are the flattened resolved config):
 - `distinct`: each engine runs its own kernels. Claims 1–4, the summary table's rows, Figure 2, the
   tails and RL-evaluation tables, the step-0 evaluation offset: all of them read only these runs;

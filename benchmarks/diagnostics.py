@@ -24,11 +24,11 @@ import time
 
 import torch
 
-from fp8rl_core.builder import build_context
 from fp8rl_core.config import load_run_config
 from fp8rl_core.diagnostics.catalogue import step_diagnostics
 from fp8rl_core.diagnostics.tokens import worst_tokens
-from fp8rl_core.grpo_step import grpo_step
+from fp8rl_core.loop.builder import build_context
+from fp8rl_core.loop.step import grpo_step
 
 
 def _median_time(fn, repeats: int) -> float:

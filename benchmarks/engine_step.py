@@ -3,7 +3,7 @@
 Usage: PYTHONPATH=. python benchmarks/engine_step.py [--recipes bf16 fp8_gen fp8_e2e] [--steps 8] [--warmup 2]
            [--threads 2] [--cache-dir .fp8rl/warmstart] [--set key=value ...]
 
-The default run config (fp8rl_core/config.py: the `tiny` preset, 16 prompts x 8 samples, at most 8 new
+The default run config (fp8rl_core/config/run_config.py: the `tiny` preset, 16 prompts x 8 samples, at most 8 new
 tokens, its warm-start checkpoint) plus `--set` dotted overrides. The warm start is trained (or found in
 the cache) by this process first; then every recipe runs in a fresh subprocess, so that its peak RSS
 (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) is its own: imports + engines built + `--warmup` + `--steps`
@@ -38,9 +38,9 @@ def peak_rss_mib() -> float:
 
 def worker(args: argparse.Namespace, recipe: str) -> dict:
     """Runs in the subprocess: build, warm up, measure; returns the per-step numbers."""
-    from fp8rl_core.builder import build_context
     from fp8rl_core.config import load_run_config
-    from fp8rl_core.grpo_step import grpo_step
+    from fp8rl_core.loop.builder import build_context
+    from fp8rl_core.loop.step import grpo_step
 
     cfg = load_run_config(None, overrides(args, recipe))
     ctx = build_context(cfg, progress=False)
@@ -84,8 +84,8 @@ def warm_start(args: argparse.Namespace) -> Path:
     """Train (or find) the warm-start checkpoint once, here, so that no worker's peak RSS includes it."""
     import torch
 
-    from fp8rl_core.builder import initial_checkpoint, load_tokenizer
     from fp8rl_core.config import load_run_config
+    from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
     from fp8rl_core.tasks import make_task
 
     torch.set_num_threads(args.threads)

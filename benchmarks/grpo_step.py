@@ -61,9 +61,9 @@ from typing import Any
 import torch
 from generation import environment  # benchmarks/generation.py (this folder is on sys.path when run as a script)
 
-from fp8rl_core.builder import build_context, initial_checkpoint, load_tokenizer
 from fp8rl_core.config import RunConfig, load_run_config
-from fp8rl_core.grpo_step import grpo_step
+from fp8rl_core.loop.builder import build_context, initial_checkpoint, load_tokenizer
+from fp8rl_core.loop.step import grpo_step
 from fp8rl_core.model.bf16 import recorded_flags, resolve_bf16_compute
 from fp8rl_core.tasks import Example, make_task
 

@@ -113,7 +113,7 @@ def spawn_ranks(worker, world: int, *args) -> str:
     """worker(rank, world, port, *args, out) on `world` gloo ranks; returns what rank 0 wrote to `out`."""
     import torch.multiprocessing as mp
 
-    from fp8rl_core.ports import free_port
+    from fp8rl_core.io.ports import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out")
@@ -152,14 +152,14 @@ def _collectives_worker(rank: int, world: int, port: int, numel: int, out: str) 
 
 def collective_seconds(name: str, world: int) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds of the whole FP32 model at `world` ranks: FSDP2's unit of traffic."""
-    from fp8rl_core.memory_plan import count_parameters
+    from fp8rl_core.distributed.memory_plan import count_parameters
 
     gather, scatter = json.loads(spawn_ranks(_collectives_worker, world, count_parameters(MODELS[name]).total))
     return gather, scatter
 
 
 def planned_state_bytes(name: str, world: int) -> int:
-    from fp8rl_core.memory_plan import Layout, plan_memory
+    from fp8rl_core.distributed.memory_plan import Layout, plan_memory
 
     plan = plan_memory(MODELS[name], Layout(world_size=world))
     return plan.device["params"] + plan.device["optimizer"]

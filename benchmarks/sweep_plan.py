@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8rl_core.config import apply_overrides, run_config_from_dict, run_config_hash  # noqa: E402
 from launchers import cli  # noqa: E402
 from launchers.plan.grid import expand_grid  # noqa: E402
-from launchers.spec.loading import load_sweep  # noqa: E402
+from launchers.sweepfile.loading import load_sweep  # noqa: E402
 
 GOAL_S = 2.0
 

@@ -93,7 +93,7 @@ def full_driver(folder: Path, n: int) -> dict:
 
     from launchers.run.cancel import cancel_sweep
     from launchers.run.driver import run_sweep
-    from launchers.spec.loading import load_sweep
+    from launchers.sweepfile.loading import load_sweep
 
     seeds = list(range(n))
     folder.mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ import sys
 import yaml
 
 from fp8rl_core.config import load_run_config, run_config_hash
+from fp8rl_core.config.schema import ConfigError, to_dict
 from fp8rl_core.distributed.env import detect_rank_env
-from fp8rl_core.schema import ConfigError, to_dict
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {bf16_path_note(cfg)}")
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
-    from fp8rl_core.run import RunFailed, run
+    from fp8rl_core.loop.run import RunFailed, run
 
     try:
         summary = run(cfg, progress=not args.no_progress)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def bf16_path_note(cfg) -> str:
     """Which BF16 path this config takes on this machine, and why (model.bf16_compute resolved here)."""
-    from fp8rl_core.builder import bf16_path, resolve_device
+    from fp8rl_core.loop.builder import bf16_path, resolve_device
     from fp8rl_core.model.bf16 import recorded_flags
 
     device = resolve_device(cfg)
@@ -69,8 +69,8 @@ def bf16_path_note(cfg) -> str:
 
 def _check_world_size(cfg) -> None:
     """Refuse, before any process group or work exists, a batch the launcher's ranks cannot split."""
-    from fp8rl_core.builder import check_data_parallel
     from fp8rl_core.distributed.mesh import Mesh
+    from fp8rl_core.loop.builder import check_data_parallel
 
     check_data_parallel(cfg, Mesh(world_size=detect_rank_env().world_size))
 

@@ -19,10 +19,10 @@ import json
 import sys
 from collections.abc import Callable
 
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.config.schema import ConfigError
 from launchers.plan import render as plan_text
 from launchers.plan.grid import expand_grid
-from launchers.spec.loading import Sweep, load_sweep
+from launchers.sweepfile.loading import Sweep, load_sweep
 
 Handler = Callable[[argparse.Namespace], int]
 ArgAdder = Callable[[argparse.ArgumentParser], None]

@@ -60,9 +60,9 @@ def load_rollout(run_dir: Path, step: int) -> dict[str, Any]:
 
 
 def load_policy_weights(ckpt_path: Path, model_config: Any) -> dict[str, torch.Tensor]:
-    """HF-named FP32 weights of the policy in a run checkpoint. The one adapter to fp8rl_core.checkpoint:
+    """HF-named FP32 weights of the policy in a run checkpoint. The one adapter to fp8rl_core.io.checkpoint:
     its DCP format (load_checkpoint into a model state dict, as its export does) or the legacy one."""
-    from fp8rl_core import checkpoint as ckpt
+    from fp8rl_core.io import checkpoint as ckpt
     from fp8rl_core.model.llama import CausalLM
 
     if hasattr(ckpt, "is_legacy") and ckpt.is_legacy(ckpt_path):
@@ -77,7 +77,7 @@ def load_policy_weights(ckpt_path: Path, model_config: Any) -> dict[str, torch.T
 def generating_weights(run_dir: Path, cfg: Any, model_config: Any, weights_step: int) -> dict[str, torch.Tensor]:
     """The weights of checkpoint `weights_step` (0: the run's initial weights, the cached warm start)."""
     if weights_step == 0:
-        from fp8rl_core.builder import initial_checkpoint, load_tokenizer
+        from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
         from fp8rl_core.model import load_pretrained
         from fp8rl_core.tasks import make_task
 
@@ -98,10 +98,10 @@ def replayable_steps(run_dir: Path) -> list[int]:
 # --- the variants -------------------------------------------------------------------------------------
 def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: Any, model_config: Any):
     """(name, side A, side B) for each requested variant."""
+    from fp8rl_core.config.recipe import get_recipe
     from fp8rl_core.engines.native_gen import NativeGenerationEngine
     from fp8rl_core.model.fp8_policy import fp8_exclusions
     from fp8rl_core.model.llama import CausalLM
-    from fp8rl_core.recipes import get_recipe
 
     model = CausalLM(model_config)
     model.load_state_dict(weights, strict=False)
@@ -158,7 +158,7 @@ def explain(run_dir: Path, step: int | None = None, variants: list[str] | None =
     cfg = run_config_from_dict(json.loads(r["run_config"]), where=f"{run_dir} rollout {step}")
     hf = json.loads(r["model_config"]) if r.get("model_config") not in (None, "{}") else None
     if hf is None:
-        from fp8rl_core.builder import initial_checkpoint, load_tokenizer
+        from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
         from fp8rl_core.tasks import make_task
 
         hf = json.loads((initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), False)
@@ -184,9 +184,9 @@ def _fmt(x: float) -> str:
 
 def worst_recorded(run_dir: Path, step: int, k: int = 3) -> list[dict[str, Any]]:
     """The k worst tokens of the recorded batch (as the run's worst-token table lists them)."""
-    from fp8rl_core.builder import load_tokenizer
     from fp8rl_core.config import run_config_from_dict
     from fp8rl_core.diagnostics.tokens import worst_tokens
+    from fp8rl_core.loop.builder import load_tokenizer
 
     r = load_rollout(run_dir, step)
     tok = load_tokenizer(run_config_from_dict(json.loads(r["run_config"])))

@@ -159,9 +159,9 @@ def _rank() -> int:
 
 
 def find_checkpoint(ckpt_dir: str | Path, step: int) -> Path | None:
-    """The run's checkpoint of `step`, or None. The one adapter to fp8rl_core.checkpoint (whose storage
+    """The run's checkpoint of `step`, or None. The one adapter to fp8rl_core.io.checkpoint (whose storage
     format may change): its public `list_checkpoints`, folders named `step_XXXXXXXX`."""
-    from fp8rl_core.checkpoint import list_checkpoints
+    from fp8rl_core.io.checkpoint import list_checkpoints
 
     for path in list_checkpoints(ckpt_dir):
         if path.name == f"step_{step:08d}":
@@ -188,7 +188,7 @@ def after_step(ctx: Any, sink: Any, step: int) -> None:
                             spec.context_tokens, step)
         append_rows(table, step, rows)
     if spec.save_rollouts and (step == 1 or find_checkpoint(out / "checkpoints", step - 1) is not None):
-        from fp8rl_core.schema import to_dict
+        from fp8rl_core.config.schema import to_dict
 
         model_cfg = getattr(ctx.gen, "config", None)
         save_rollout(rollout_path(out, step), batch, step, step - 1, to_dict(cfg),

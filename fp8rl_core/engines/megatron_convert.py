@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config.recipe import get_recipe
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.recipes import get_recipe
 
 FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"  # TE reads it when transformer_engine is imported
 EXTRA_STATE = "_extra_state"

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fp8rl_core.config import Fp8Spec, MegatronSpec, RunConfig
+from fp8rl_core.config.recipe import get_recipe
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.megatron_convert import (
     FP32_SCALES_ENV,
@@ -58,10 +59,9 @@ from fp8rl_core.engines.megatron_parallel import (
     transformer_parallel_kwargs,
 )
 from fp8rl_core.engines.native_train import NativeTrainingEngine
+from fp8rl_core.io.ports import free_port
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.llama import positions_and_mask
-from fp8rl_core.ports import free_port
-from fp8rl_core.recipes import get_recipe
 
 INSTALL_HINT = ("run it on a CUDA machine with `pip install 'fp8rl[megatron]'` (megatron-core + transformer-engine), "
                 "or use engines.training=native")

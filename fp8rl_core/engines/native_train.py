@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core import grpo
+from fp8rl_core.algorithms import grpo
 from fp8rl_core.config import Fp8Spec, LossSpec, OptimSpec
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.base import TrainBatch

@@ -17,7 +17,7 @@ What it does (the pure decisions live in vllm_convert.py, tested on a CPU):
 4) `generate` sends token-id prompts with one seeded vllm.SamplingParams per request (seeds drawn
    from `self.generator`) and converts the RequestOutputs to GenerationOutput.
 
-Settings: the run config's `engines.vllm` section (fp8rl_core/config.py VllmSpec; the old
+Settings: the run config's `engines.vllm` section (fp8rl_core/config/run_config.py VllmSpec; the old
 FP8RL_VLLM_* variables are ignored with a DeprecationWarning). The KV cache is bounded by max_model_len
 = the task's longest prompt + rollout.max_new_tokens unless set (never the model's 131072 positions);
 at start the installed versions are checked (engines/versions.py) and so is the GPU's free memory
@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from fp8rl_core.config import RunConfig
+from fp8rl_core.config.recipe import get_recipe
 from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.sampling import validate_sampling
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.recipes import get_recipe
 
 
 def require_vllm() -> None:
@@ -174,7 +174,7 @@ class VllmGenerationEngine:
 
     def _longest_prompt(self) -> int:
         """Tokens of the longest prompt of the run's task (the KV bound's default; vllm_convert.py)."""
-        from fp8rl_core.builder import load_tokenizer
+        from fp8rl_core.loop.builder import load_tokenizer
         from fp8rl_core.tasks import make_task
 
         return conv.longest_prompt_tokens(make_task(self.cfg.task), load_tokenizer(self.cfg))

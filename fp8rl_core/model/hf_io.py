@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fp8rl_core.atomic import fsync_dir, fsync_file
+from fp8rl_core.io.atomic import fsync_dir, fsync_file
 from fp8rl_core.model.config import ModelConfig, merge_eos_ids
 from fp8rl_core.model.llama import CausalLM
 

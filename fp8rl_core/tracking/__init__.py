@@ -31,39 +31,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# --- the contract -------------------------------------------------------------------------------
-TAG_SWEEP = "sweep"
-TAG_CELL_ID = "cell_id"
-TAG_RECIPE = "recipe"
-TAG_IS = "importance_sampling"
-TAG_SEED = "seed"
-TAG_ROLE = "fp8rl.role"  # "sweep" on the parent run, "cell" on each child
-TAG_PARENT = "mlflow.parentRunId"  # MLflow's own: the UI nests child runs under their parent
-CELL_TAGS = (TAG_SWEEP, TAG_CELL_ID, TAG_RECIPE, TAG_IS, TAG_SEED)
-# per attempt (tags, so that a resume on another node may differ): what computed it
-TAG_BF16_COMPUTE = "fp8rl.bf16_compute"  # native | emulated | none (model.dtype fp32)
-TAG_CPU_FLAGS = "fp8rl.cpu_flags"  # the CPU flags that decide the BF16 path and the kernels
-TAG_FP8_GEMM = "fp8rl.fp8_gemm"  # the FP8 GEMM executor (fp8rl_core/fp8/gemm.py)
-
-M_MISMATCH = "token_mult_prob_error"
-M_REWARD = "reward_mean"
-M_VAL_ACC = "val_accuracy"
-# the same validation prompts and samples through one BF16 generation engine, for every arm (the arm's
-# own engine for bf16): separates "FP8 inference costs accuracy" from "FP8 mismatch harmed learning"
-M_VAL_ACC_BF16_EVAL = "val_accuracy_bf16_eval"
-M_IS_WEIGHT = "is_weight_mean"
-M_LOSS = "loss"
-M_STEP_TIME = "step_time_s"
-M_TOKENS_PER_S = "tokens_per_s"  # optional; the summary table shows it when logged
-# Tails of d = logprob_train - logprob_gen per step: the fraction of valid response tokens with |d| above
-# 0.1, 1 and 10 nats (fp8rl_core/diagnostics/catalogue.py computes them; analysis/ summarizes them per run).
-M_FRAC_GT_0P1 = "logprob_abs_diff_frac_gt_0.1"
-M_FRAC_GT_1 = "logprob_abs_diff_frac_gt_1"
-M_FRAC_GT_10 = "logprob_abs_diff_frac_gt_10"
-TAIL_FRACTIONS = (M_FRAC_GT_0P1, M_FRAC_GT_1, M_FRAC_GT_10)
-CONTRACT_METRICS = (M_MISMATCH, M_REWARD, M_VAL_ACC, M_IS_WEIGHT, M_LOSS, M_STEP_TIME, *TAIL_FRACTIONS)
-
-METRICS_FILE = "metrics.jsonl"  # the run's append-only buffer, under its output_dir
+from fp8rl_core.tracking.contract import *  # noqa: F403  (the contract, re-exported: tracking/contract.py)
 
 _LAZY = {
     "MetricSink": "sink", "JsonlSink": "sink", "MultiSink": "sink", "read_records": "sink", "make_run_sink": "sink",

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fp8rl_core.ports import free_port
+from fp8rl_core.io.ports import free_port
 from fp8rl_core.tracking.store import default_artifact_location, health_ok, sqlite_path
 
 log = logging.getLogger(__name__)

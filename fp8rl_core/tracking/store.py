@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from fp8rl_core.schema import flatten
+from fp8rl_core.config.schema import flatten
 
 if TYPE_CHECKING:  # pragma: no cover
     from mlflow import MlflowClient

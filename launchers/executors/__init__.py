@@ -27,7 +27,7 @@ from launchers.executors.base import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from launchers.spec.loading import Sweep
+    from launchers.sweepfile.loading import Sweep
 
 __all__ = ["ALIVE", "CANCELLED", "DONE", "FAILED", "PENDING", "RUNNING", "UNKNOWN", "Executor", "Executors",
            "JobHandle", "Task", "by_kind", "is_alive", "make_executor", "poll_by_kind"]

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.ports import free_port
+from fp8rl_core.io.ports import free_port
 from launchers.executors.base import CANCELLED, DONE, FAILED, RUNNING, UNKNOWN, JobHandle, Task
 
 CONTROLLER_MODULE = "submitit.local._local"

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fp8rl_core.config import RunConfig, TrackingSpec, run_config_hash
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.tracking import TAG_CELL_ID, TAG_IS, TAG_RECIPE, TAG_SEED, TAG_SWEEP
 
 if TYPE_CHECKING:  # pragma: no cover
-    from launchers.spec.loading import Sweep
+    from launchers.sweepfile.loading import Sweep
 
 CELLS_SUBFOLDER = "cells"  # <sweep folder>/cells/<cell id>: a cell's output_dir (checkpoints, logs)
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fp8rl_core.config import RunConfig, run_config_hash, strip_unhashed
-from fp8rl_core.schema import ConfigError, to_dict
+from fp8rl_core.config.schema import ConfigError, to_dict
 from launchers.plan.cells import Cell, check_unique
-from launchers.spec import keys as run_keys
-from launchers.spec.loading import Axis, Sweep
+from launchers.sweepfile import keys as run_keys
+from launchers.sweepfile.loading import Axis, Sweep
 
 MAX_CELLS = 100_000  # a plan beyond this is a mistake (each cell is a training run); split the sweep
 
@@ -99,7 +99,7 @@ class _IdHasher:
 
     Same payload as fp8rl_core.config.run_config_hash (`strip_unhashed` after the cell's values are put
     in: a varied key at its default, or one that a recipe ignores, leaves the id as the base would) and the
-    same formula as fp8rl_core.schema.stable_hash; expand_grid checks it against run_config_hash."""
+    same formula as fp8rl_core.config.schema.stable_hash; expand_grid checks it against run_config_hash."""
 
     def __init__(self, base: RunConfig, length: int = 12):
         self.canon, self.length = to_dict(base), length

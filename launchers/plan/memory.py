@@ -1,5 +1,5 @@
 """The memory plan of a sweep's cells: peak memory per rank from each model's config alone
-(fp8rl_core.memory_plan; no weights are read), and the refusal of a cell that cannot fit what it asks.
+(fp8rl_core.distributed.memory_plan; no weights are read), and the refusal of a cell that cannot fit what it asks.
 
 What a rank has: on SLURM, a `device: cuda` cell's rank has one GPU of `launcher.slurm.gpu_mem_gb`;
 a CPU cell's rank has `launcher.slurm.mem_gb / tasks_per_node` (mem_gb is per node; unset: nothing
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launchers.spec.schema import SweepError
+from launchers.sweepfile.schema import SweepError
 
 if TYPE_CHECKING:  # pragma: no cover
     from launchers.plan.cells import Cell
-    from launchers.spec.loading import Sweep
+    from launchers.sweepfile.loading import Sweep
 
 GiB = 2**30
 # A CPU rank's process also holds the interpreter, torch and the tokenizer (about 0.3 GiB measured
@@ -68,7 +68,7 @@ def cell_device(sweep: Sweep, device: str) -> str:
 def _plan(path: str | None, preset: str, layout: Any, budget: int | None) -> tuple[int | None, str | None]:
     """(peak, refusal or why there is no estimate) of one model (`model.path`, else the preset) and
     layout: cells that share both are planned once."""
-    from fp8rl_core.memory_plan import check, plan_memory
+    from fp8rl_core.distributed.memory_plan import check, plan_memory
     from fp8rl_core.model.config import PRESETS
 
     try:
@@ -79,7 +79,7 @@ def _plan(path: str | None, preset: str, layout: Any, budget: int | None) -> tup
 
 
 def cell_memory(sweep: Sweep, cell: Cell) -> CellMemory:
-    from fp8rl_core.memory_plan import layout_for_run
+    from fp8rl_core.distributed.memory_plan import layout_for_run
 
     cfg = cell.config
     device = cell_device(sweep, cfg.device)
@@ -99,7 +99,7 @@ def refusal(sweep: Sweep, cells: list[Cell], plans: dict[str, CellMemory] | None
     its rank's memory (None: all fit or unknown)."""
     world = sweep.launcher.world_size
     split = [c for c in cells if c.config.rollout.prompts_per_step % world]
-    if split:  # data parallel splits a step's prompts by whole GRPO groups (fp8rl_core/builder.py)
+    if split:  # data parallel splits a step's prompts by whole GRPO groups (fp8rl_core/loop/builder.py)
         p = split[0].config.rollout.prompts_per_step
         key = "launcher.ranks_per_cell" if sweep.launcher.kind != "slurm" else "launcher.slurm.tasks_per_node"
         return SweepError("rollout.prompts_per_step", f"cell {split[0].id} {split[0].label()}: {p} prompts per step "

@@ -17,8 +17,8 @@ from launchers.plan import rules
 from launchers.plan.cells import Cell
 from launchers.plan.grid import Expansion
 from launchers.plan.memory import CellMemory
-from launchers.spec import search_space
-from launchers.spec.loading import Sweep
+from launchers.sweepfile import search_space
+from launchers.sweepfile.loading import Sweep
 
 StateProvider = Callable[[list[str]], dict[str, str]]
 DEFAULT_MAX_ROWS = 200

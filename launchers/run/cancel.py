@@ -21,7 +21,7 @@ from launchers.executors import Executors, JobHandle, by_kind, is_alive
 from launchers.plan.cells import CELLS_SUBFOLDER
 from launchers.run.context import handle_of
 from launchers.run.state import LOCK_FILE, SweepState, is_locked, load_state, save_state
-from launchers.spec.loading import Sweep
+from launchers.sweepfile.loading import Sweep
 
 DRIVER_WAIT_S = 40.0
 QUEUE_WAIT_S = 60.0

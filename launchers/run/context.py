@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fp8rl_core.config import RunConfig, TrackingSpec
-from fp8rl_core.schema import to_dict
+from fp8rl_core.config.schema import to_dict
 from fp8rl_core.tracking import METRICS_FILE
 from fp8rl_core.tracking.store import TrackingUnreachable, retry_locked, tracking_reachable
 from launchers.executors import Executor, Executors, JobHandle, Task, is_alive, poll_by_kind
@@ -28,7 +28,7 @@ from launchers.plan.cells import CELLS_SUBFOLDER, Cell, cell_run_config, cell_ta
 from launchers.run.jobs import CellJob, RunFn, warm_start_configs, warm_start_stage
 from launchers.run.progress import error_tail
 from launchers.run.state import Attempt, CellRecord, StageJob, SweepState, load_state, save_state
-from launchers.spec.loading import Sweep
+from launchers.sweepfile.loading import Sweep
 
 SUPERSEDED = ".superseded"  # <folder>/cells/.superseded/<cell>-<old run>: outputs of a replaced run
 LOCAL_KINDS = ("local", "debug")  # jobs that die with the driver that started them

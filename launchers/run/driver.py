@@ -34,7 +34,7 @@ from launchers.run.context import SweepRun, job_config, supersede_outputs
 from launchers.run.jobs import RunFn, report_stage
 from launchers.run.loop import Loop
 from launchers.run.state import DriverBusy, DriverLock, StageJob
-from launchers.spec.loading import Sweep
+from launchers.sweepfile.loading import Sweep
 
 __all__ = ["Driver", "DriverStopped", "job_config", "run_sweep", "spawn_background", "stop_on_sigterm",
            "supersede_outputs"]

@@ -1,6 +1,6 @@
 """What runs inside a job: one cell (`CellJob`), the warm-start stage, the report stage.
 
-    CellJob()(config_dict)       # builds the RunConfig, runs (or resumes) it: fp8rl_core.run.run
+    CellJob()(config_dict)       # builds the RunConfig, runs (or resumes) it: fp8rl_core.loop.run.run
 
 A cell's job is a `submitit.helpers.Checkpointable`: on preemption or timeout (USR2), submitit calls
 `checkpoint()`, which resubmits the same cell, and requeues the job; the requeued job calls `run`
@@ -12,7 +12,7 @@ job, so a requeue after a code update still fails loudly on a config the new cod
 
 Several ranks (a SLURM job with nodes x tasks_per_node tasks, or a local cell on
 `launcher.ranks_per_cell` processes): submitit (or the local launcher) runs `CellJob` on every task;
-every rank calls `fp8rl_core.run.run`, which joins the process group from the environment. Only
+every rank calls `fp8rl_core.loop.run.run`, which joins the process group from the environment. Only
 global rank 0 marks the MLflow run (a peer's collective error after rank 0 died must not overwrite
 rank 0's outcome) and only rank 0's USR2 handler checkpoints and requeues (submitit's own rule: the
 other tasks' handlers return, and SLURM stops and restarts every task with the requeued job).
@@ -35,7 +35,7 @@ RunFn = Callable[[RunConfig], Any]
 
 
 def core_run(cfg: RunConfig) -> dict[str, float]:
-    from fp8rl_core.run import run
+    from fp8rl_core.loop.run import run
 
     return run(cfg, progress=False)  # progress comes from metrics.jsonl; a bar would bury the error in the log
 
@@ -86,7 +86,7 @@ def _mark_run(cfg: RunConfig, status: str, error: str | None = None) -> None:
 class CellJob(submitit.helpers.Checkpointable):
     """Run one cell from its resolved config (a dict of fp8rl_core.config.RunConfig).
 
-    `run_fn` replaces fp8rl_core.run.run (tests use a tiny fake cell)."""
+    `run_fn` replaces fp8rl_core.loop.run.run (tests use a tiny fake cell)."""
 
     def __init__(self, run_fn: RunFn | None = None):
         self.run_fn = run_fn
@@ -120,7 +120,7 @@ def _say_start(cfg: RunConfig) -> None:
     """One line in the job's log: where this attempt starts (a requeued job resumes)."""
     import os
 
-    from fp8rl_core.checkpoint import latest_checkpoint
+    from fp8rl_core.io.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(Path(cfg.output_dir) / "checkpoints")
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
@@ -132,7 +132,7 @@ def _say_start(cfg: RunConfig) -> None:
 def warm_start_stage(configs: list[dict[str, Any]], progress: bool = True) -> list[str]:
     """Make (or find in the cache) the warm-start checkpoint of each config; the folders' paths.
     `progress`: a tqdm bar on stderr (minutes of work: the terminal locally, the job's log on SLURM)."""
-    from fp8rl_core.builder import initial_checkpoint, load_tokenizer
+    from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
     from fp8rl_core.tasks import make_task
 
     paths = []
@@ -145,7 +145,7 @@ def warm_start_stage(configs: list[dict[str, Any]], progress: bool = True) -> li
 
 def warm_start_configs(configs: list[RunConfig]) -> list[RunConfig]:
     """One config per distinct warm start the cells need and the cache does not hold yet."""
-    from fp8rl_core.warmstart import warmstart_key
+    from fp8rl_core.loop.warmstart import warmstart_key
 
     todo: dict[str, RunConfig] = {}
     for cfg in configs:

@@ -75,7 +75,7 @@ def error_tail(log_path: str | Path | None, n: int = 3, max_chars: int = 600) ->
     """What a failed job's stderr log says went wrong, on one line.
 
     With a Python traceback: its last line (the exception) and where it was raised,
-    `RuntimeError: boom (at fp8rl_core/run.py:97 in run)`; else the last `n` meaningful lines."""
+    `RuntimeError: boom (at fp8rl_core/loop/run.py:97 in run)`; else the last `n` meaningful lines."""
     if not log_path:
         return None
     lines = [ln.rstrip() for ln in _tail_lines(Path(log_path), 65536)]

@@ -26,8 +26,8 @@ from launchers.run.driver import DriverStopped, needs_background_driver, spawn_b
 from launchers.run.jobs import RunFn
 from launchers.run.loop import Loop
 from launchers.run.state import DriverBusy, DriverLock
-from launchers.spec.loading import Sweep
-from launchers.spec.search_space import n_trials, optuna_distributions
+from launchers.sweepfile.loading import Sweep
+from launchers.sweepfile.search_space import n_trials, optuna_distributions
 
 TRIAL_TAG = "optuna.trial"
 CELL_ATTR = "cell_id"

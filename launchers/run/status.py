@@ -23,7 +23,7 @@ from launchers.plan.render import StateProvider, default_state_provider, fmt
 from launchers.run.context import handle_of, settle
 from launchers.run.progress import cell_step, error_tail, eta_seconds, fmt_duration
 from launchers.run.state import CellRecord, SweepState, is_locked, load_state
-from launchers.spec.loading import Sweep
+from launchers.sweepfile.loading import Sweep
 
 ERROR_WIDTH = 160
 

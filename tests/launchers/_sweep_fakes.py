@@ -1,6 +1,6 @@
 """Test doubles for the sweep engine: a tiny cell function and a scripted scheduler.
 
-`fake_run(cfg)` stands in for fp8rl_core.run.run: it logs `train.steps` steps through the real run
+`fake_run(cfg)` stands in for fp8rl_core.loop.run.run: it logs `train.steps` steps through the real run
 sink (so MLflow sees RUNNING -> FINISHED/FAILED exactly as from a real run), with
 `val_accuracy = 1 - (log10(lr) + 3.5)^2 / 10` (a known optimum at lr = 10^-3.5 for the search tests)
 and fails with "impossible lr" when optim.lr >= 0.5. `FakeScheduler` implements the executor

@@ -20,7 +20,7 @@ from launchers import cli
 from launchers.executors.slurm.sbatch import render_sbatch, slurm_submission
 from launchers.plan.grid import expand_grid
 from launchers.plan.render import action_for, render_plan
-from launchers.spec.loading import load_sweep, load_sweep_text
+from launchers.sweepfile.loading import load_sweep, load_sweep_text
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"

@@ -20,8 +20,8 @@ from launchers.plan.grid import expand
 from launchers.run.driver import job_config, run_sweep, supersede_outputs
 from launchers.run.jobs import CellJob
 from launchers.run.state import Attempt, CellRecord, DriverLock, load_state
-from launchers.spec.loading import load_sweep
-from launchers.spec.schema import SweepError
+from launchers.sweepfile.loading import load_sweep
+from launchers.sweepfile.schema import SweepError
 
 SWEEP = """\
 experiment: drv
@@ -230,7 +230,7 @@ def test_cell_job_fails_its_run_when_the_cell_cannot_start(cwd):
         raise ValueError("num_attention_heads (4) must be a multiple of num_key_value_heads (3)")
 
     config = job_config(sweep, cell, run_id, parent)
-    from fp8rl_core.schema import to_dict
+    from fp8rl_core.config.schema import to_dict
 
     with pytest.raises(ValueError):
         CellJob(cannot_build)(to_dict(config))
@@ -324,7 +324,7 @@ def test_sweep_server_on_loopback_and_a_sweep_logging_over_http(cwd):
     import subprocess
     import sys
 
-    from fp8rl_core.ports import free_port
+    from fp8rl_core.io.ports import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "launchers.cli", "server", "--port", str(port)], cwd=cwd,

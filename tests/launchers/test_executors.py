@@ -140,7 +140,7 @@ def test_local_executor_limits_concurrency_polls_and_cancels(tmp_path):
 
 
 def test_make_executor_by_kind(tmp_path, monkeypatch):
-    from launchers.spec.loading import load_sweep_text
+    from launchers.sweepfile.loading import load_sweep_text
 
     text = "experiment: e\ngrid: {seed: [0]}\nlauncher: {kind: %s, max_parallel: 3}\n"
     for kind, cls in (("local", LocalExecutor), ("debug", DebugExecutor), ("slurm", SlurmExecutor)):

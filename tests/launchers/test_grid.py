@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8rl_core.config import run_config_from_dict, run_config_hash
-from fp8rl_core.schema import set_dotted, to_dict
+from fp8rl_core.config.schema import set_dotted, to_dict
 from launchers.plan import grid
 from launchers.plan.cells import cell_run_config, cell_tags
 from launchers.plan.grid import cell_for, expand, expand_grid
-from launchers.spec.loading import load_sweep_text
-from launchers.spec.schema import SweepError
+from launchers.sweepfile.loading import load_sweep_text
+from launchers.sweepfile.schema import SweepError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from _sweep_fakes import tiny_core_base, write_sweep
 
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.config.schema import ConfigError
 from launchers import cli
 from launchers.executors import Task
 from launchers.executors.local import LocalExecutor
 from launchers.plan.grid import expand
 from launchers.run import jobs
 from launchers.run.driver import run_sweep
-from launchers.spec.loading import load_sweep, load_sweep_text
+from launchers.sweepfile.loading import load_sweep, load_sweep_text
 
 REPO = Path(__file__).resolve().parents[2]
 GRID = "experiment: t\ngrid:\n  seed: [0, 1]\n"
@@ -125,7 +125,7 @@ def _failing(cfg):
 ])
 def test_only_global_rank_zero_marks_the_mlflow_run(tmp_path, monkeypatch, env, marked):
     from fp8rl_core.config import RunConfig, TrackingSpec
-    from fp8rl_core.schema import to_dict
+    from fp8rl_core.config.schema import to_dict
     from fp8rl_core.tracking import runs
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID"):

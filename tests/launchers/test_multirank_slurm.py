@@ -2,7 +2,7 @@
 per cell (tasks_per_node: {ranks}, cpus_per_task: 1), each task a torch.distributed rank (gloo), the real
 core and a real MLflow SQLite store. A run finishes with one MLflow run and every step logged once;
 `scontrol requeue` mid-run resumes it; `kill -9` of rank 1 fails the job within the collective timeout
-and `sweep run` retries it from its checkpoint. Runs are held mid-flight with fp8rl_core/hold.py, so
+and `sweep run` retries it from its checkpoint. Runs are held mid-flight with fp8rl_core/loop/hold.py, so
 no test depends on how fast the machine is; every wait is bounded.
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import pytest
 from _sweep_fakes import mlflow_db, tiny_core_base, wait_for
 from mlflow import MlflowClient
 
-from fp8rl_core.hold import ENV_VAR as HOLD_VAR
-from fp8rl_core.hold import holders
+from fp8rl_core.loop.hold import ENV_VAR as HOLD_VAR
+from fp8rl_core.loop.hold import holders
 from launchers.plan.grid import expand
 from launchers.run.driver import run_sweep
 from launchers.run.progress import cell_step
 from launchers.run.state import load_state
-from launchers.spec.loading import load_sweep
+from launchers.sweepfile.loading import load_sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -90,7 +90,7 @@ def hold_after(monkeypatch, root: Path, step: int) -> Path:
 
 
 def all_ranks_held(release: Path) -> bool:
-    """Both ranks are inside the hold hook, i.e. past step 2's checkpoint (fp8rl_core/hold.py)."""
+    """Both ranks are inside the hold hook, i.e. past step 2's checkpoint (fp8rl_core/loop/hold.py)."""
     return holders(release) == RANKS
 
 

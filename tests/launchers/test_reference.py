@@ -14,7 +14,7 @@ import pytest
 from fp8rl_core.config import RunConfig
 from launchers import reference
 from launchers.reference import END, START, Row, Section
-from launchers.spec.schema import SweepSpec
+from launchers.sweepfile.schema import SweepSpec
 
 REPO = Path(__file__).resolve().parents[2]
 

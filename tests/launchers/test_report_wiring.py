@@ -12,7 +12,7 @@ from launchers.plan.grid import expand
 from launchers.run.driver import run_sweep
 from launchers.run.jobs import report_stage
 from launchers.run.state import load_state
-from launchers.spec.loading import load_sweep
+from launchers.sweepfile.loading import load_sweep
 
 SWEEP = """\
 experiment: wire

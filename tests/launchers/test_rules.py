@@ -22,7 +22,7 @@ from launchers.run.context import driver_session, settle
 from launchers.run.driver import run_sweep
 from launchers.run.state import Attempt, CellRecord, load_state
 from launchers.run.status import plan_states
-from launchers.spec.loading import load_sweep
+from launchers.sweepfile.loading import load_sweep
 
 SWEEP = """\
 experiment: rules

@@ -16,7 +16,7 @@ from mlflow import MlflowClient
 
 from launchers.run.search import CELL_ATTR, TRIAL_TAG, load_study, open_storage, run_search
 from launchers.run.state import load_state
-from launchers.spec.loading import load_sweep
+from launchers.sweepfile.loading import load_sweep
 
 SEARCH = """\
 experiment: srch

@@ -8,11 +8,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.config.schema import ConfigError
 from launchers.executors.slurm.sbatch import slurm_submission
 from launchers.plan.grid import expand_grid
-from launchers.spec.loading import load_sweep, load_sweep_text
-from launchers.spec.schema import SweepError, slurm_minutes
+from launchers.sweepfile.loading import load_sweep, load_sweep_text
+from launchers.sweepfile.schema import SweepError, slurm_minutes
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEPS = sorted((REPO / "sweeps").glob("*.yaml"))
@@ -191,7 +191,7 @@ def test_slurm_parameter_names_are_submitits():
 def test_optuna_distributions_match_the_params():
     from optuna.distributions import FloatDistribution
 
-    from launchers.spec.search_space import optuna_distributions
+    from launchers.sweepfile.search_space import optuna_distributions
 
     sweep = load_sweep(REPO / "sweeps" / "lr_search.yaml", cwd=Path("/work"))
     dists = optuna_distributions(sweep.spec.search)
@@ -265,10 +265,10 @@ def test_fuzz_mutations_of_the_smoke_sweep(edits):
 
 
 def test_one_yaml_dialect_for_run_configs_and_sweep_files(tmp_path):
-    """`fp8rl-train cfg.yaml` and a sweep's base_config read the same file the same way (fp8rl_core.yaml_io)."""
+    """`fp8rl-train cfg.yaml` and a sweep's base_config read the same file the same way (fp8rl_core.config.yaml_io)."""
     from fp8rl_core.config import load_run_config
-    from fp8rl_core.schema import ConfigError
-    from fp8rl_core.yaml_io import load_mapping_file
+    from fp8rl_core.config.schema import ConfigError
+    from fp8rl_core.config.yaml_io import load_mapping_file
 
     dup = tmp_path / "dup.yaml"
     dup.write_text("train:\n  steps: 3\n  steps: 4\n")

@@ -33,7 +33,7 @@ from launchers.run.state import (
     save_state,
 )
 from launchers.run.status import collect, render, sweep_status
-from launchers.spec.loading import load_sweep
+from launchers.sweepfile.loading import load_sweep
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = """\
@@ -204,7 +204,7 @@ tracking: {uri: "sqlite:///mlflow.db"}
 @pytest.mark.slow
 def test_local_detach_then_cancel_stops_the_driver_and_its_processes(cwd, capsys, monkeypatch):
     """`sweep run --detach` (a background driver, real core) -> `sweep status` -> `sweep cancel`."""
-    from fp8rl_core.hold import ENV_VAR, holders
+    from fp8rl_core.loop.hold import ENV_VAR, holders
     from launchers.cli import main
     from launchers.executors.local import controller_alive
 

@@ -17,8 +17,8 @@ import pytest
 from _sweep_fakes import mlflow_db, tiny_core_base, wait_for
 from mlflow import MlflowClient
 
-from fp8rl_core.hold import ENV_VAR as HOLD_VAR
-from fp8rl_core.hold import holders
+from fp8rl_core.loop.hold import ENV_VAR as HOLD_VAR
+from fp8rl_core.loop.hold import holders
 from launchers.cli import main as sweep_main
 from launchers.executors.slurm import SlurmExecutor
 from launchers.executors.slurm.sbatch import slurm_submission
@@ -27,7 +27,7 @@ from launchers.run.driver import run_sweep
 from launchers.run.progress import cell_step
 from launchers.run.state import load_state
 from launchers.run.status import collect
-from launchers.spec.loading import load_sweep
+from launchers.sweepfile.loading import load_sweep
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -153,7 +153,7 @@ def test_a_deleted_run_reruns_only_its_cell(base):
 
 def hold_cells_after(monkeypatch, root: Path, step: int) -> Path:
     """Every run started from here on stops after `step` (logged and checkpointed) until the returned
-    file exists (fp8rl_core/hold.py): the test acts on cells in flight however fast the machine is.
+    file exists (fp8rl_core/loop/hold.py): the test acts on cells in flight however fast the machine is.
     A run resumed from that step's checkpoint starts after it, so it never waits."""
     release = root / f"release-{time.monotonic_ns()}"
     monkeypatch.setenv(HOLD_VAR, f"{step}:{release}")  # sbatch exports it to the jobs

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from launchers.spec.schema import slurm_minutes
+from launchers.sweepfile.schema import slurm_minutes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from launchers.spec.loading import Sweep
+    from launchers.sweepfile.loading import Sweep
 
 JOBS_SUBFOLDER = "jobs/%j"  # submitit folder: one folder per job (per array task: per cell)
 

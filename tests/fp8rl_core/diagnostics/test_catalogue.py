@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from fp8rl_core.algorithms.metrics import token_mult_prob_error
 from fp8rl_core.diagnostics import catalogue as C
 from fp8rl_core.diagnostics.catalogue import CATALOGUE_METRICS, finalize, partial_sums, step_diagnostics
-from fp8rl_core.metrics import token_mult_prob_error
 
 NAN, INF = float("nan"), float("inf")
 

@@ -83,7 +83,7 @@ def test_tiny_run_logs_worst_tokens_and_explain_report_to_mlflow(tmp_path, capsy
 
     from fp8rl_core.cli import main
     from fp8rl_core.config import load_run_config
-    from fp8rl_core.run import run
+    from fp8rl_core.loop.run import run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = tmp_path / "run"

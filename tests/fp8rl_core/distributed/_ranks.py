@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from fp8rl_core.ports import free_port
+from fp8rl_core.io.ports import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn, args: tuple, out: str, timeout_s: float) -> None:

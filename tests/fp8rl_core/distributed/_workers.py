@@ -6,12 +6,12 @@ import contextlib
 
 import torch
 
-from fp8rl_core import grpo
+from fp8rl_core.algorithms import grpo
+from fp8rl_core.algorithms.importance import compute_importance
 from fp8rl_core.config import LossSpec, OptimSpec
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.native_train import NativeTrainingEngine
-from fp8rl_core.grpo_step import _global_stats
-from fp8rl_core.importance import compute_importance
+from fp8rl_core.loop.step import _global_stats
 from fp8rl_core.model import ModelConfig, build_model
 
 CFG = ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import torch
 
-from fp8rl_core.builder import rank_seed
 from fp8rl_core.config import load_run_config
 from fp8rl_core.distributed import Mesh
 from fp8rl_core.engines.base import GenerationOutput
-from fp8rl_core.grpo_step import _rollout
+from fp8rl_core.loop.builder import rank_seed
+from fp8rl_core.loop.step import _rollout
 from fp8rl_core.model.tokenizer import char_tokenizer
 from fp8rl_core.tasks import make_task
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from fp8rl_core import checkpoint as ck
+from fp8rl_core.io import checkpoint as ck
 from fp8rl_core.model import build_model, preset
 
 ROWS, SAVE_AT = 4, 2  # global batch rows (split evenly over 1, 2 or 4 ranks); checkpoint after this step

@@ -48,7 +48,7 @@ def test_micro_batches_equal_the_whole_batch(whole, compute, mbs):
 def test_per_micro_batch_normalization_would_fail(whole):
     """Negative control: normalizing each micro-batch by its own token count (then averaging) is another
     estimator; with unequal lengths its loss is far outside the tolerance above."""
-    from fp8rl_core import grpo
+    from fp8rl_core.algorithms import grpo
 
     ref = whole["fp32"]
     batch_old, m = ref["old_logprobs"], ref["old_logprobs"] != 0

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from fp8rl_core.builder import check_data_parallel
 from fp8rl_core.config import load_run_config
+from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.distributed import SINGLE, Mesh, detect_rank_env, init_distributed
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.loop.builder import check_data_parallel
 
 
 def test_rank_env_from_torchrun_and_slurm():

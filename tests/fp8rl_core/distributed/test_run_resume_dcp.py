@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fp8rl_core import checkpoint as ck
+from fp8rl_core.io import checkpoint as ck
 
 
 def _is_timing(key: str) -> bool:

@@ -7,15 +7,15 @@ more, and FP8 generation against BF16 training the most (docs/design.md, the see
 import pytest
 import torch
 
-from fp8rl_core.builder import build_generation_engine, build_training_engine, load_tokenizer
+from fp8rl_core.algorithms.metrics import token_mult_prob_error
 from fp8rl_core.config import load_run_config
 from fp8rl_core.engines.base import SamplingParams
-from fp8rl_core.metrics import token_mult_prob_error
+from fp8rl_core.loop.builder import build_generation_engine, build_training_engine, load_tokenizer
+from fp8rl_core.loop.rollout import build_train_batch
+from fp8rl_core.loop.warmstart import warm_start
 from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.rollout import build_train_batch
 from fp8rl_core.tasks import make_task
-from fp8rl_core.warmstart import warm_start
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +56,13 @@ SEEDS, STEPS = (0, 1, 2), 3
 @pytest.fixture(scope="module")
 def bf16_recipe_mismatch(tmp_path_factory):
     """path -> median over SEEDS of the median token_mult_prob_error - 1 over STEPS GRPO steps of the bf16
-    recipe (tiny runs from a 10-step warm start: a RunContext and grpo_step, as fp8rl_core.run drives
+    recipe (tiny runs from a 10-step warm start: a RunContext and grpo_step, as fp8rl_core.loop.run drives
     them); "fp32" is the same with model.dtype=fp32 (the floor). Computed once per path."""
     import functools
     import statistics
 
-    from fp8rl_core.builder import build_context
-    from fp8rl_core.grpo_step import grpo_step
+    from fp8rl_core.loop.builder import build_context
+    from fp8rl_core.loop.step import grpo_step
 
     root = tmp_path_factory.mktemp("bf16_paths")
 

@@ -12,10 +12,10 @@ import torch
 from test_megatron_convert import LLAMA, QWEN2, random_hf_state
 
 from fp8rl_core.config import MegatronSpec, OptimSpec, load_run_config
+from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.engines import megatron_parallel as mp
 from fp8rl_core.engines.megatron_convert import hf_to_megatron, megatron_to_hf
 from fp8rl_core.model import ModelConfig
-from fp8rl_core.schema import ConfigError
 
 
 def rank_hf_state(state: dict, cfg: ModelConfig, tp: int, r: int) -> tuple[dict, ModelConfig]:

@@ -259,9 +259,9 @@ def test_cuda_engine_matches_native_engine(tmp_path, recipe, dtype, bound):
 
 
 def _cuda_child(recipe: str, dtype: str, folder: str) -> dict:
-    from fp8rl_core.metrics import token_mult_prob_error
+    from fp8rl_core.algorithms.metrics import token_mult_prob_error
+    from fp8rl_core.config.recipe import get_recipe
     from fp8rl_core.model import load_pretrained, save_pretrained
-    from fp8rl_core.recipes import get_recipe
 
     path = Path(folder)
     save_pretrained(random_model(CUDA_CFG), path)

@@ -80,7 +80,7 @@ def test_engine_construction_without_vllm_or_cuda_raises(tmp_path):
 
 
 def test_builder_reaches_the_vllm_backend(tmp_path):
-    from fp8rl_core.builder import build_generation_engine
+    from fp8rl_core.loop.builder import build_generation_engine
 
     cfg = run_config_from_dict({"engines": {"generation": "vllm"}, "output_dir": str(tmp_path)})
     if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
@@ -240,7 +240,7 @@ def test_free_memory_check_names_the_knob():
 
 def test_run_config_vllm_section_validates_and_fp8_fp32_is_refused():
     from fp8rl_core.config import load_run_config
-    from fp8rl_core.schema import ConfigError
+    from fp8rl_core.config.schema import ConfigError
 
     cfg = load_run_config(None, ["engines.generation=vllm", "engines.vllm.max_model_len=8192",
                                  "engines.vllm.gpu_memory_utilization=0.4"])
@@ -480,7 +480,7 @@ class FakeTrainer:
 
 def _record_builds(monkeypatch, events, llms):
     """Patch the builder's trainer/reference builders to log (what, the LLMs' events at that time)."""
-    import fp8rl_core.builder as builder
+    import fp8rl_core.loop.builder as builder
 
     def fake(what):
         def build(cfg, path, device, mesh=None):
@@ -495,8 +495,8 @@ def _record_builds(monkeypatch, events, llms):
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_gen"])
 @pytest.mark.parametrize("sleep", [True, False])
 def test_builder_starts_vllm_before_the_trainer(fake_vllm, monkeypatch, tmp_path, recipe, sleep):
-    from fp8rl_core.builder import build_context
     from fp8rl_core.distributed.mesh import SINGLE
+    from fp8rl_core.loop.builder import build_context
 
     path = _checkpoint(tmp_path)
     cfg = run_config_from_dict({"recipe": recipe, "output_dir": str(tmp_path / "out"), "device": "cpu",
@@ -557,7 +557,7 @@ def test_start_keeps_the_free_memory_check(fake_vllm, monkeypatch, tmp_path):
 
 
 def test_builder_native_order_is_unchanged(monkeypatch, tmp_path):
-    import fp8rl_core.builder as builder
+    import fp8rl_core.loop.builder as builder
     from fp8rl_core.distributed.mesh import SINGLE
 
     class FakeGen:  # no start(): the native path must not call one
@@ -608,11 +608,11 @@ def _peaky_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
 def test_vllm_engine_matches_training_engine_and_refits(recipe, tmp_path):
     pytest.importorskip("vllm")
+    from fp8rl_core.algorithms.metrics import token_mult_prob_error
+    from fp8rl_core.config.recipe import get_recipe
     from fp8rl_core.engines.native_train import NativeTrainingEngine
     from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
-    from fp8rl_core.metrics import token_mult_prob_error
-    from fp8rl_core.recipes import get_recipe
-    from fp8rl_core.rollout import build_train_batch
+    from fp8rl_core.loop.rollout import build_train_batch
 
     mc = ModelConfig()  # the tiny preset: hidden 256, [128, 128] blocks tile every linear
     model = _peaky_model(mc, seed=0).cuda()

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from fp8rl_core.config import TaskSpec, run_config_from_dict
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.tasks import ArithmeticTask, JsonlTask, make_task
 
 

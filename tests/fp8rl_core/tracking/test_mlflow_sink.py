@@ -7,7 +7,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from fp8rl_core.ports import free_port
+from fp8rl_core.io.ports import free_port
 from fp8rl_core.tracking.mlflow_sink import MAX_METRICS, MlflowSink, replay_buffer
 
 

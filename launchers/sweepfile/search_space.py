@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fp8rl_core.schema import ConfigError, fail
-from launchers.spec import keys as run_keys
-from launchers.spec.schema import SearchSpec
+from fp8rl_core.config.schema import ConfigError, fail
+from launchers.sweepfile import keys as run_keys
+from launchers.sweepfile.schema import SearchSpec
 
 JOURNAL_NAME = "optuna.journal"
 

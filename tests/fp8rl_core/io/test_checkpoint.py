@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8rl_core import checkpoint as ck
+from fp8rl_core.io import checkpoint as ck
 from fp8rl_core.model import build_model, load_pretrained, preset
 
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from fp8rl_core.config import RunConfig
+from fp8rl_core.config.schema import stable_hash, to_dict
 from fp8rl_core.model import bf16
-from fp8rl_core.schema import stable_hash, to_dict
 
 
 def warmstart_key(cfg: RunConfig) -> str:
@@ -74,7 +74,7 @@ def dev_examples(cfg: RunConfig, task: Any) -> list:
 def dev_accuracy(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, examples: list) -> float:
     """Greedy exact-match accuracy of `model` on `examples`, decoded by a BF16 generation engine."""
     from fp8rl_core.engines.native_gen import NativeGenerationEngine
-    from fp8rl_core.evaluate import greedy_accuracy
+    from fp8rl_core.loop.evaluate import greedy_accuracy
 
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     gen = NativeGenerationEngine(model.config, fp8=False, dtype=dtype, device="cpu", seed=0,

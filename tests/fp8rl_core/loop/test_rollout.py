@@ -2,7 +2,7 @@
 import torch
 
 from fp8rl_core.engines.base import GenerationOutput
-from fp8rl_core.rollout import broadcast_advantages, build_train_batch, split_rows
+from fp8rl_core.loop.rollout import broadcast_advantages, build_train_batch, split_rows
 
 
 def test_build_train_batch_alignment():

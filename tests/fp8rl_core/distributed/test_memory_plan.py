@@ -14,7 +14,15 @@ from dataclasses import asdict, replace
 
 import pytest
 
-from fp8rl_core.memory_plan import GiB, Layout, check, count_parameters, layout_for_run, plan_for_run, plan_memory
+from fp8rl_core.distributed.memory_plan import (
+    GiB,
+    Layout,
+    check,
+    count_parameters,
+    layout_for_run,
+    plan_for_run,
+    plan_memory,
+)
 from fp8rl_core.model.config import ModelConfig
 
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -240,9 +248,9 @@ def test_the_8b_cluster_sweep_fits_8x80gb():
     from pathlib import Path
 
     from launchers.plan.grid import expand
-    from launchers.spec.loading import load_sweep
+    from launchers.sweepfile.loading import load_sweep
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     sweep = load_sweep(root / "sweeps" / "fp8_ablation_llama8b.yaml", cwd=root)
     cells = expand(sweep)
     assert len(cells) == 12 and sweep.launcher.slurm.gpu_mem_gb == 80

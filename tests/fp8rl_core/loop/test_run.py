@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from fp8rl_core.config import load_run_config
+from fp8rl_core.loop.run import run
 from fp8rl_core.model import bf16
-from fp8rl_core.run import run
 
 
 def _is_timing(key: str) -> bool:
@@ -56,7 +56,7 @@ def test_bad_override_is_rejected_before_any_work(tmp_path):
 @pytest.mark.slow
 def test_crash_between_checkpoints_resumes_without_duplicates(tmp_path, monkeypatch):
     """Killed after step 3 (last checkpoint: 2): the restart redoes step 3 and logs it once."""
-    import fp8rl_core.run as run_mod
+    import fp8rl_core.loop.run as run_mod
 
     straight = _tiny(tmp_path, "straight")
     run(straight, progress=False)
@@ -118,7 +118,7 @@ def test_matched_kernels_give_the_zero_mismatch_floor(tmp_path, ws_dir, monkeypa
     and fp8_e2e (trainer and sampler at the same precision) log token_mult_prob_error exactly 1.0 at
     every step; fp8_gen replays on a BF16 engine (its trainer's precision), so its FP8 sampling mismatch
     stays (> 1). On either BF16 path, which every engine of the run takes."""
-    import fp8rl_core.run as run_mod
+    import fp8rl_core.loop.run as run_mod
 
     if path == "native" and not bf16.has_bf16_dot():
         pytest.skip(bf16.missing_bf16_dot())
@@ -145,7 +145,7 @@ def test_val_accuracy_bf16_eval_at_every_validation_from_a_bf16_engine(tmp_path,
     is val_accuracy itself (the arm's own engine, no second one); for the FP8-generating arms it is the
     val_accuracy of a second, BF16 engine (fp8 off) holding the trainer's current weights at that
     step, refit lazily: once per validation, not at every step."""
-    import fp8rl_core.run as run_mod
+    import fp8rl_core.loop.run as run_mod
     from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 
     seen, ctxs = [], []
@@ -198,8 +198,8 @@ def test_numerics_tags_per_attempt_and_a_warning_when_a_resume_switches_path(tmp
     warns, updates the tags and leaves the params as they were."""
     from mlflow import MlflowClient
 
-    from fp8rl_core import checkpoint as ckpt
     from fp8rl_core.fp8.gemm import select_executor
+    from fp8rl_core.io import checkpoint as ckpt
     from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
 
     if not bf16.has_bf16_dot():
@@ -227,9 +227,9 @@ def test_numerics_tags_per_attempt_and_a_warning_when_a_resume_switches_path(tmp
 
 
 def test_numerics_tags_name_the_path_flags_and_executor(monkeypatch):
-    from fp8rl_core.builder import numerics_tags
     from fp8rl_core.config import load_run_config
     from fp8rl_core.fp8.gemm import select_executor
+    from fp8rl_core.loop.builder import numerics_tags
 
     monkeypatch.setattr(bf16, "cpu_flags", lambda: frozenset({"sse2", "avx2", "avx512f"}))
     tags = numerics_tags(load_run_config(None, []), "cpu")
@@ -244,7 +244,7 @@ def test_numerics_tags_name_the_path_flags_and_executor(monkeypatch):
 def test_path_switch_warning_only_when_the_recorded_path_differs(tmp_path):
     from types import SimpleNamespace
 
-    from fp8rl_core.run import _warn_on_path_switch
+    from fp8rl_core.loop.run import _warn_on_path_switch
     from fp8rl_core.tracking import TAG_BF16_COMPUTE
 
     cfg = _tiny(tmp_path, "x")

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from fp8rl_core.schema import ConfigError
+from fp8rl_core.config.schema import ConfigError
 
 Part = str | int
 _INT, _FLOAT, _STR = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:str"

@@ -2,7 +2,7 @@
 import pytest
 
 from fp8rl_core.config import RunConfig, hashed_dict, load_run_config, run_config_hash
-from fp8rl_core.schema import ConfigError, flatten, stable_hash, to_dict
+from fp8rl_core.config.schema import ConfigError, flatten, stable_hash, to_dict
 
 
 def test_defaults_and_overrides_typed():

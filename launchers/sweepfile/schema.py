@@ -18,7 +18,7 @@ A sweep file (YAML) has these sections (defaults in the dataclasses below):
 
 Relative paths: `base_config` is relative to the sweep file; `launcher.folder`, a relative
 `sqlite:///` tracking URI and a journal `search.storage` are relative to the directory `sweep` runs in.
-Value checks that need the run config (grid values, search params) live in `launchers/spec/keys.py`.
+Value checks that need the run config (grid values, search params) live in `launchers/sweepfile/keys.py`.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fp8rl_core.schema import ConfigError, fail
+from fp8rl_core.config.schema import ConfigError, fail
 from fp8rl_core.tracking import CONTRACT_METRICS
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")

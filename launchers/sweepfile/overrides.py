@@ -13,9 +13,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from fp8rl_core.schema import ConfigError, fail
-from fp8rl_core.yaml_io import join_key, load_value
-from launchers.spec.schema import SearchParamSpec
+from fp8rl_core.config.schema import ConfigError, fail
+from fp8rl_core.config.yaml_io import join_key, load_value
+from launchers.sweepfile.schema import SearchParamSpec
 
 ALIASES = {"launcher": "launcher.kind", "max_parallel": "launcher.max_parallel",
            "retries": "launcher.retries", "folder": "launcher.folder"}

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl_core.config import RunConfig, run_config_from_dict
-from fp8rl_core.schema import ConfigError, build, flatten, get_dotted
+from fp8rl_core.config.schema import ConfigError, build, flatten, get_dotted
+from fp8rl_core.config.yaml_io import YamlDoc, split_key
 from fp8rl_core.tracking.store import absolute_uri
-from fp8rl_core.yaml_io import YamlDoc, split_key
-from launchers.spec import keys as run_keys
-from launchers.spec.overrides import apply_sweep_overrides
-from launchers.spec.schema import LauncherSpec, SweepError, SweepSpec
-from launchers.spec.search_space import JOURNAL_NAME, check_search
+from launchers.sweepfile import keys as run_keys
+from launchers.sweepfile.overrides import apply_sweep_overrides
+from launchers.sweepfile.schema import LauncherSpec, SweepError, SweepSpec
+from launchers.sweepfile.search_space import JOURNAL_NAME, check_search
 
 _BOOL_HINT = " (YAML reads yes/no/on/off as booleans: quote the value, e.g. 'off')"
 

@@ -12,7 +12,7 @@ import typing
 from typing import Any, get_args, get_origin
 
 from fp8rl_core.config import HASH_EXCLUDE, RunConfig, run_config_from_dict
-from fp8rl_core.schema import ConfigError, fail, field_names, set_dotted
+from fp8rl_core.config.schema import ConfigError, fail, field_names, set_dotted
 
 # Set per cell by the sweep engine, so a sweep file may not set them in base (nor vary them).
 ENGINE_OWNED = {

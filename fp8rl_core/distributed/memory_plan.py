@@ -56,7 +56,7 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
   Megatron training (Layout.trainer_sharded False): the engine runs one replica per rank, so params,
   optimizer and gradients are not divided by W (see engines/megatron_train.py check_layout).
 
-Checked against measured peak RSS on the CPU (tests/fp8rl_core/test_memory_plan.py: tiny and hidden 1024,
+Checked against measured peak RSS on the CPU (tests/fp8rl_core/distributed/test_memory_plan.py: tiny and hidden 1024,
 within 25%).
 """
 from __future__ import annotations
@@ -282,9 +282,9 @@ def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
 
 
 def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: str | None = None) -> Layout:
-    """The Layout of a RunConfig (fp8rl_core/config.py) at `world_size` ranks. prompt_tokens: the
+    """The Layout of a RunConfig (fp8rl_core/config/run_config.py) at `world_size` ranks. prompt_tokens: the
     longest prompt (the config does not know it; 64 covers the arithmetic task's prompts)."""
-    from fp8rl_core.recipes import get_recipe
+    from fp8rl_core.config.recipe import get_recipe
 
     recipe = get_recipe(cfg.recipe)
     par = getattr(cfg, "parallel", None)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8rl_core.metrics import masked_entropy, mismatch_stats, reward_stats, token_mult_prob_error
+from fp8rl_core.algorithms.metrics import masked_entropy, mismatch_stats, reward_stats, token_mult_prob_error
 
 NAN, INF = float("nan"), float("inf")
 # sequence 0: 3 valid tokens, sequence 1: 1 valid token; off-mask entries are junk that must be ignored

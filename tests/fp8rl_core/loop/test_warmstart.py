@@ -1,10 +1,10 @@
 """Warm start: cached by config hash, shared across processes, and it actually teaches the task."""
 import torch
 
-from fp8rl_core.builder import load_tokenizer
 from fp8rl_core.config import load_run_config
+from fp8rl_core.loop.builder import load_tokenizer
+from fp8rl_core.loop.warmstart import dev_accuracy, dev_examples, sft_batch, warm_start, warmstart_key
 from fp8rl_core.tasks import make_task
-from fp8rl_core.warmstart import dev_accuracy, dev_examples, sft_batch, warm_start, warmstart_key
 
 
 def _cfg(tmp_path, *extra):

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from fp8rl_core.config import RunConfig
+from fp8rl_core.config.recipe import get_recipe
+from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
-from fp8rl_core.grpo_step import RunContext
+from fp8rl_core.loop.step import RunContext
 from fp8rl_core.model import bf16
-from fp8rl_core.recipes import get_recipe
-from fp8rl_core.schema import ConfigError
 from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
 
 
@@ -66,7 +66,7 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 def initial_checkpoint(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> Path:
     """The weights every cell starts from: the user's checkpoint, else the cached warm start."""
-    from fp8rl_core.warmstart import warm_start
+    from fp8rl_core.loop.warmstart import warm_start
 
     if cfg.model.path:
         return Path(cfg.model.path)

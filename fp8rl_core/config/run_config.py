@@ -12,8 +12,17 @@ from typing import Any, Literal
 
 import yaml
 
-from fp8rl_core.recipes import RECIPES
-from fp8rl_core.schema import ConfigError, build, fail, get_dotted, parse_override, set_dotted, stable_hash, to_dict
+from fp8rl_core.config.recipe import RECIPES
+from fp8rl_core.config.schema import (
+    ConfigError,
+    build,
+    fail,
+    get_dotted,
+    parse_override,
+    set_dotted,
+    stable_hash,
+    to_dict,
+)
 
 ISVariant = Literal["none", "token", "tis", "icepop", "sequence"]
 
@@ -130,7 +139,7 @@ class RolloutSpec:
 
 @dataclass
 class LossSpec:
-    importance_sampling: ISVariant = "none"  # mismatch correction weights (fp8rl_core/importance.py)
+    importance_sampling: ISVariant = "none"  # mismatch correction weights (fp8rl_core/algorithms/importance.py)
     is_cap: float = 2.0  # tis: w <- min(w, cap)
     is_low: float = 0.5  # icepop: keep tokens with low <= w <= high
     is_high: float = 5.0  # icepop: see is_low
@@ -287,7 +296,7 @@ class TrackingSpec:
 
 @dataclass
 class RunConfig:
-    recipe: str = "bf16"  # a name in fp8rl_core/recipes.py: bf16, fp8_gen, fp8_e2e
+    recipe: str = "bf16"  # a name in fp8rl_core/config/recipe.py: bf16, fp8_gen, fp8_e2e
     seed: int = 0  # init, sampling and prompt order (the task's data: task.data_seed)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available, else cpu
     threads: int = 0  # torch intra-op threads (0: torch's default)
@@ -360,9 +369,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], where: str = "co
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Load a YAML run config (or the defaults when path is None) and apply dotted overrides.
 
-    The file and the override values are read in fp8rl's one YAML dialect (fp8rl_core.yaml_io, as
+    The file and the override values are read in fp8rl's one YAML dialect (fp8rl_core.config.yaml_io, as
     sweep files are): a duplicate key is an error at its line, `4:00:00` stays a string."""
-    from fp8rl_core.yaml_io import load_mapping_file, load_value
+    from fp8rl_core.config.yaml_io import load_mapping_file, load_value
 
     where = str(path) if path else "defaults"
     data: dict[str, Any] = load_mapping_file(path) if path else {}

@@ -1,4 +1,4 @@
-"""The test hook that holds a run after one step (fp8rl_core/hold.py)."""
+"""The test hook that holds a run after one step (fp8rl_core/loop/hold.py)."""
 from __future__ import annotations
 
 import threading
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from fp8rl_core.hold import ENV_VAR, hold_after, hold_spec, holders
+from fp8rl_core.loop.hold import ENV_VAR, hold_after, hold_spec, holders
 
 
 def test_unset_or_other_steps_never_wait(tmp_path):

@@ -13,9 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fp8rl_core import grpo
-from fp8rl_core.config import ISVariant
-from fp8rl_core.grpo import (
+from fp8rl_core.algorithms import grpo
+from fp8rl_core.algorithms.grpo import (
     IS_VARIANTS,
     compute_importance,
     group_advantages,
@@ -26,6 +25,7 @@ from fp8rl_core.grpo import (
     masked_mean,
     policy_loss,
 )
+from fp8rl_core.config import ISVariant
 
 VARIANTS = ["none", "token", "tis", "icepop", "sequence"]
 FAST = settings(max_examples=40, deadline=None)

@@ -22,7 +22,7 @@ with an allow-list unpickler and `weights_only=True`. Per-rank files: `torch.loa
 
 Export an HF checkpoint (config.json + model.safetensors) from one of these folders:
 
-    python -m fp8rl_core.checkpoint export runs/x/checkpoints/step_00000010 out/hf_step10
+    python -m fp8rl_core.io.checkpoint export runs/x/checkpoints/step_00000010 out/hf_step10
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint._traverse import set_element  # private, as De
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fp8rl_core.atomic import fsync_dir, fsync_file
+from fp8rl_core.io.atomic import fsync_dir, fsync_file
 
 FORMAT = "dcp-v1"
 TRAIN_KEY = "train"  # the DCP key of the training engine's state (its tensors are "train.model.<fqn>", ...)
@@ -289,7 +289,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, quantization: str | None = 
 
     ckpt = Path(ckpt)
     if not (ckpt / "config.json").exists():
-        raise FileNotFoundError(f"{ckpt}: no config.json; not a checkpoint written by fp8rl_core.run")
+        raise FileNotFoundError(f"{ckpt}: no config.json; not a checkpoint written by fp8rl_core.loop.run")
     cfg = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()))
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -302,7 +302,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, quantization: str | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8rl_core.checkpoint", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fp8rl_core.io.checkpoint", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="write an HF checkpoint folder from a DCP checkpoint")
     e.add_argument("ckpt")

@@ -37,16 +37,16 @@ from typing import Any
 
 import torch
 
-from fp8rl_core import grpo
+from fp8rl_core.algorithms import grpo
+from fp8rl_core.algorithms.importance import compute_importance, importance_stats
+from fp8rl_core.algorithms.metrics import token_mult_prob_error
 from fp8rl_core.config import RunConfig
+from fp8rl_core.config.recipe import get_recipe
 from fp8rl_core.diagnostics.tokens import observe_step
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.base import GenerationEngine, SamplingParams, TrainBatch, TrainingEngine
 from fp8rl_core.fp8.gemm import executor_flags
-from fp8rl_core.importance import compute_importance, importance_stats
-from fp8rl_core.metrics import token_mult_prob_error
-from fp8rl_core.recipes import get_recipe
-from fp8rl_core.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
+from fp8rl_core.loop.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
 from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
 
 

@@ -1,0 +1,44 @@
+"""What a run is told: the run config (typed, validated at the edge), its schema helpers, YAML I/O and the
+recipe table. Torch-free, so that the sweep driver can plan without importing torch.
+
+    cfg = load_run_config("run.yaml", ["loss.importance_sampling=token"])   # a validated RunConfig
+    recipe = resolve_recipe(cfg)                                             # what each engine quantizes
+
+`fp8rl_core.config.load_run_config` and the spec classes are public; the modules are run_config.py (the
+dataclasses, cell-id hashing), schema.py (dataclass <-> dict), yaml_io.py and recipe.py.
+"""
+from fp8rl_core.config.run_config import (
+    HASH_EXCLUDE,
+    HASH_FP8_TRAINING_ONLY,
+    HASH_IF_NOT_DEFAULT,
+    DiagnosticsSpec,
+    EngineSpec,
+    Fp8Spec,
+    ISVariant,
+    LossSpec,
+    MegatronSpec,
+    ModelSpec,
+    OptimSpec,
+    ParallelSpec,
+    RolloutSpec,
+    RunConfig,
+    TaskSpec,
+    TrackingSpec,
+    TrainSpec,
+    VllmSpec,
+    WarmStartSpec,
+    apply_overrides,
+    hashed_dict,
+    load_run_config,
+    run_config_from_dict,
+    run_config_hash,
+    strip_unhashed,
+)
+from fp8rl_core.config.schema import ConfigError
+
+__all__ = [
+    "HASH_EXCLUDE", "HASH_FP8_TRAINING_ONLY", "HASH_IF_NOT_DEFAULT", "ConfigError", "DiagnosticsSpec", "EngineSpec",
+    "Fp8Spec", "ISVariant", "LossSpec", "MegatronSpec", "ModelSpec", "OptimSpec", "ParallelSpec", "RolloutSpec",
+    "RunConfig", "TaskSpec", "TrackingSpec", "TrainSpec", "VllmSpec", "WarmStartSpec", "apply_overrides",
+    "hashed_dict", "load_run_config", "run_config_from_dict", "run_config_hash", "strip_unhashed",
+]

@@ -1,0 +1,202 @@
+"""One run (one sweep cell): warm start -> GRPO steps -> metrics, with atomic checkpoints and resume.
+
+    cfg = load_run_config("cfg.yaml", ["recipe=fp8_e2e", "loss.importance_sampling=token"])
+    summary = run(cfg)
+
+A restarted run (requeue, preemption, crash) resumes from `<output_dir>/checkpoints` and produces
+the same metrics, bit for bit, as an uninterrupted one: weights, optimizer, step, prompt-sampling
+RNG, sampling generator and minibatch-shuffle generator are all in the checkpoint.
+
+On several ranks (`torchrun --nproc-per-node N -m fp8rl_core.cli ...`, multi-task SLURM) every rank
+runs this loop; rank 0 alone writes metrics/MLflow (the others log into a NullSink), validates and
+writes diagnostics; all ranks checkpoint. The world size is an MLflow tag (`world_size`).
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from fp8rl_core.config import RunConfig, run_config_hash
+from fp8rl_core.config.schema import flatten, to_dict
+from fp8rl_core.diagnostics.tokens import after_step
+from fp8rl_core.distributed import shutdown
+from fp8rl_core.io import checkpoint as ckpt
+from fp8rl_core.loop.builder import build_context
+from fp8rl_core.loop.evaluate import validation_metrics
+from fp8rl_core.loop.hold import hold_after
+from fp8rl_core.loop.step import RunContext, grpo_step, sampling_params
+from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE
+from fp8rl_core.tracking.sink import NullSink, make_run_sink
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (non-finite loss or gradient, ...); the message says why and where."""
+
+
+def _capture(ctx: RunContext, step: int) -> dict[str, Any]:
+    """This rank's non-tensor state: prompt-sampling RNG, minibatch shuffle, sampler, torch RNG.
+    (Model, optimizer and engine step go through DCP: ckpt.EngineState.)"""
+    return {"step": step, "data_rng": ctx.data_rng.getstate(), "shuffle": ctx.shuffle.get_state(),
+            "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state(),
+            "bf16_compute": ctx.numerics.get(TAG_BF16_COMPUTE, "")}
+
+
+def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> int:
+    """Restore this rank's RNG/data state; refit the generation engine. Returns the finished steps.
+
+    own=False (a rank the checkpoint's world size did not have): only the state every rank shares
+    (prompt sampling, torch RNG) is taken from rank 0; this rank's sampler and shuffle streams stay
+    as freshly seeded — a resharded resume is statistically, not bitwise, the same run.
+    """
+    _warn_on_path_switch(ctx, rank_state.get("bf16_compute"))
+    ctx.data_rng.setstate(_as_tuple(rank_state["data_rng"]))
+    torch.set_rng_state(rank_state["torch_rng"])
+    if own:
+        ctx.shuffle.set_state(rank_state["shuffle"])
+        ctx.gen.generator.set_state(rank_state["gen_rng"])
+    ctx.refit_generation()
+    return int(rank_state["step"])
+
+
+def _warn_on_path_switch(ctx: RunContext, before: str | None) -> None:
+    """A resume on a machine that resolves model.bf16_compute to the other path: same numerics by
+    definition (summation order aside), so it goes on, but says so (the attempt's tag records it)."""
+    now = ctx.numerics.get(TAG_BF16_COMPUTE, "")
+    if before and now and before != now and ctx.mesh.is_rank0:
+        warnings.warn(f"{ctx.cfg.output_dir}: resuming with BF16 path {now!r}, the checkpoint was written with "
+                      f"{before!r} (model.bf16_compute={ctx.cfg.model.bf16_compute!r} on another CPU kind?); the "
+                      "results stay BF16 but their summation order changes from here on", stacklevel=2)
+
+
+def _as_tuple(x: Any) -> Any:
+    """random.Random.setstate needs tuples; a checkpoint may hand lists back."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _validate(ctx: RunContext) -> dict[str, float] | None:
+    """Collective. Rank 0's metrics (None elsewhere): validation on the arm's own generation engine, and
+    `val_accuracy_bf16_eval`: the same prompts and sampling seed through the BF16 engine (the arm's own
+    for a BF16-generating recipe). Every rank takes part in the BF16 engine's refit (from sharded weights
+    an all-gather per tensor); the generation itself runs on rank 0 alone and needs no collective (the
+    other ranks wait for it at the next step's first one)."""
+    neutral_engine = ctx.bf16_engine()
+    if not ctx.mesh.is_rank0:
+        return None
+    sampling, samples = sampling_params(ctx.cfg), ctx.cfg.train.val_samples
+    out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples)
+    out[M_VAL_ACC_BF16_EVAL] = out[M_VAL_ACC] if neutral_engine is ctx.gen else validation_metrics(
+        neutral_engine, ctx.tokenizer, ctx.task, sampling, samples, greedy=False)[M_VAL_ACC]
+    return out
+
+
+def _is_val_step(cfg: RunConfig, step: int) -> bool:
+    return step == 0 or step % cfg.train.val_every == 0 or step == cfg.train.steps
+
+
+def _model_config(ctx: RunContext) -> dict[str, Any] | None:
+    cfg = getattr(getattr(ctx.train, "model", None), "config", None)
+    return cfg.to_hf_dict() if hasattr(cfg, "to_hf_dict") else None
+
+
+def _checkpoint(ctx: RunContext, ckpt_dir: Path, step: int) -> None:
+    """Collective: every rank writes its shards and its RNG state (fp8rl_core/io/checkpoint.py)."""
+    ckpt.save_checkpoint(ckpt_dir, step, {ckpt.TRAIN_KEY: ckpt.EngineState(ctx.train)}, _capture(ctx, step),
+                         meta={"cell_id": run_config_hash(ctx.cfg), "recipe": ctx.cfg.recipe},
+                         model_config=_model_config(ctx))
+
+
+def resume_or_start(ctx: RunContext, ckpt_dir: Path) -> int:
+    """Restore the newest checkpoint if any (at any saved world size); returns the finished steps."""
+    found = ckpt.latest_checkpoint(ckpt_dir)
+    if found is None:
+        return 0
+    if ckpt.is_legacy(found):
+        return _restore_legacy(ctx, found)
+    ckpt.load_checkpoint(found, {ckpt.TRAIN_KEY: ckpt.EngineState(ctx.train)})
+    own = ckpt.read_rank_state(found)
+    return _restore(ctx, own if own is not None else ckpt.read_rank_state(found, rank=0), own=own is not None)
+
+
+def _restore_legacy(ctx: RunContext, found: Path) -> int:
+    """A pre-DCP checkpoint (weights.safetensors + state.pt): one process only."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RunFailed(f"{found}: a pre-DCP checkpoint resumes at world size 1 only; resume there once "
+                        "(its next checkpoint is DCP) or start the run afresh")
+    _, state, _ = ckpt.load_legacy(found)
+    ctx.train.load_state_dict(state["train"])
+    return _restore(ctx, state)
+
+
+def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) -> dict[str, float]:
+    """Run (or resume) the GRPO run described by `cfg`. Returns the last step's metrics.
+
+    stop_after: end (after checkpointing) once this many steps are done — for tests of resume.
+    """
+    out_dir = Path(cfg.output_dir)
+    ckpt_dir = out_dir / "checkpoints"
+    ctx = build_context(cfg, progress=progress)
+    clean = False
+    try:
+        metrics = _run_steps(ctx, out_dir, ckpt_dir, progress, stop_after)
+        clean = True
+        return metrics
+    finally:
+        shutdown(ctx.mesh, clean=clean)
+
+
+
+def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, stop_after: int | None
+               ) -> dict[str, float]:
+    """The step loop of `run` on one rank (all ranks run it; rank 0 alone logs and validates)."""
+    cfg, rank0 = ctx.cfg, ctx.mesh.is_rank0
+    done = resume_or_start(ctx, ckpt_dir)  # collective: every rank loads its shards
+    sink = make_run_sink(cfg, out_dir, resume_step=done) if rank0 else NullSink()
+    if done == 0:
+        sink.log_params(flatten(to_dict(cfg)))
+    # tags, not params: a resumed run may reshard, or run on another CPU kind (per attempt)
+    sink.set_tags({"world_size": ctx.mesh.world_size, **ctx.numerics})
+    last: dict[str, float] = {}
+    bar = tqdm(total=cfg.train.steps, initial=done, desc=f"{cfg.recipe}/IS={cfg.loss.importance_sampling}"
+               f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
+    status = "FAILED"
+    try:
+        if done == 0 and (metrics := _validate(ctx)) is not None:
+            sink.log(0, metrics)
+        for step in range(done + 1, cfg.train.steps + 1):
+            try:
+                last = grpo_step(ctx)
+            except FloatingPointError as e:
+                raise RunFailed(f"step {step}: {e}") from e
+            if _is_val_step(cfg, step):
+                last.update(_validate(ctx) or {})
+            sink.log(step, last)
+            if rank0:
+                after_step(ctx, sink, step)  # worst-token table, rollout for `explain` (fp8rl_core/diagnostics)
+            bar.update(1)
+            bar.set_postfix(reward=f"{last['reward_mean']:.2f}", mismatch=f"{last['token_mult_prob_error']:.4f}",
+                            val=f"{last.get('val_accuracy', float('nan')):.2f}", refresh=False)
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                _checkpoint(ctx, ckpt_dir, step)
+            hold_after(step)  # test hook (FP8RL_HOLD_AFTER_STEP): a run held mid-flight on any machine
+            if stop_after is not None and step >= stop_after:
+                if step % cfg.train.checkpoint_every:
+                    _checkpoint(ctx, ckpt_dir, step)
+                status = "RUNNING"
+                return last
+        status = "FINISHED"
+        return last
+    except SystemExit:
+        status = "RUNNING"  # submitit requeues (preemption/timeout): the run goes on in its next job
+        raise
+    except KeyboardInterrupt:
+        status = "KILLED"  # stopped by hand; `sweep run` resumes it from its checkpoint
+        raise
+    finally:
+        bar.close()
+        sink.close(status)
