@@ -20,8 +20,9 @@ import numpy as np
 from scipy import stats
 
 from analysis.fetch import RunHistory, SweepData
+from fp8rl_core.tracking import TAG_IS, TAG_RECIPE
 
-DEFAULT_GROUP_KEYS = ("recipe", "importance_sampling")
+DEFAULT_GROUP_KEYS = (TAG_RECIPE, TAG_IS)
 RECIPE_ORDER = ("bf16", "fp8_gen", "fp8_e2e")
 IS_ORDER = ("none", "token", "tis", "icepop", "sequence")
 MISSING = "?"
@@ -101,16 +102,16 @@ class Curve:
 
     @property
     def label(self) -> str:
-        return ", ".join(f"{v}" if k == "recipe" else f"{k.split('.')[-1]}={v}" for k, v in self.group.items())
+        return ", ".join(f"{v}" if k == TAG_RECIPE else f"{k.split('.')[-1]}={v}" for k, v in self.group.items())
 
 
 def recipe_rank(recipe: str) -> tuple:
     """Sort key: bf16, fp8_gen, fp8_e2e, then other recipes alphabetically."""
-    return _rank("recipe", recipe)
+    return _rank(TAG_RECIPE, recipe)
 
 
 def _rank(key: str, value: str) -> tuple:
-    order = RECIPE_ORDER if key.endswith("recipe") else IS_ORDER if key.endswith("importance_sampling") else ()
+    order = RECIPE_ORDER if key.endswith(TAG_RECIPE) else IS_ORDER if key.endswith(TAG_IS) else ()
     return (order.index(value), "") if value in order else (len(order), value)
 
 

@@ -51,6 +51,7 @@ from analysis.summaries import (
     step_order_fractions,
     summarize_all,
 )
+from fp8rl_core.tracking import TAG_IS
 
 PASS, FAIL, INCONCLUSIVE = "PASS", "FAIL", "INCONCLUSIVE"
 VERDICT = {st.PASS_CODE: PASS, st.FAIL_CODE: FAIL, st.NONE_CODE: INCONCLUSIVE}
@@ -163,7 +164,7 @@ def compare(name: str, d: np.ndarray, cfg: AnalysisConfig, unit: str, tost: bool
 
 def choose_is_variant(runs: Sequence[RunHistory] | Sequence[RunSummary], is_variant: str | None = None) -> str | None:
     def isv(r):
-        return r.importance_sampling if isinstance(r, RunSummary) else r.get("importance_sampling")
+        return r.importance_sampling if isinstance(r, RunSummary) else r.get(TAG_IS)
     variants = sorted({isv(r) for r in runs} - {None, "none", "?"})
     if is_variant is not None:
         return is_variant

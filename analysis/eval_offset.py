@@ -25,7 +25,7 @@ import numpy as np
 from analysis.aggregate import estimate, recipe_rank
 from analysis.fetch import RunHistory
 from analysis.kernels import only_kernels
-from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
+from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_RECIPE, TAG_SEED
 
 OFFSET_STEP = 0
 CONFIDENCE = 0.95
@@ -48,11 +48,11 @@ def offset_rows(runs: Sequence[RunHistory]) -> list[dict]:
     by_recipe: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     recipes = set()
     for run in only_kernels(runs):
-        recipe = run.get("recipe") or "?"
+        recipe = run.get(TAG_RECIPE) or "?"
         recipes.add(recipe)
         o = step0_offset(run)
         if np.isfinite(o):
-            by_recipe[recipe][run.get("seed") or "?"].append(o)
+            by_recipe[recipe][run.get(TAG_SEED) or "?"].append(o)
     rows = []
     for recipe in sorted(recipes, key=recipe_rank):
         seeds = by_recipe.get(recipe, {})

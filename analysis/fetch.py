@@ -8,34 +8,34 @@ the `sweep` tag (role `cell`). With `cell_ids` (the cells of the sweep file as i
 whose `cell_id` tag is among them are kept: a parent run outlives edits of its sweep file, so runs of
 cells the file no longer has (e.g. a `model.dtype` value since removed) are left out, and counted in
 `SweepData.stale_runs`, before any history is read.
-Histories come in bulk, one request per metric key, not per run:
+Histories come in bulk, one request per metric key, not per run (`fp8rl_core.tracking.store.Store.metric_histories`):
 - SQL stores (sqlite, postgres, mysql): `SqlAlchemyStore.get_metric_history_bulk(run_ids, key)`;
 - a tracking server: GET `/api/2.0/mlflow/metrics/get-history-bulk-interval` (<= 100 runs a call,
   <= 2500 points a run; the server samples longer histories, so a run that comes back with 2500
-  points is re-read in full with `MlflowClient.get_metric_history`);
+  points is re-read in full with `get_metric_history`);
 - any other store: `get_metric_history` per run and key.
 When a step holds several values (a run logged twice through some other client), the earliest
 logged wins, as in `fp8rl_core.tracking.sink`.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from mlflow import MlflowClient
-from mlflow.entities import ViewType
-from mlflow.store.tracking.rest_store import RestStore
-from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-from mlflow.utils.rest_utils import http_request_safe
 
-from fp8rl_core.tracking import TAG_CELL_ID, TAG_PARENT, TAG_ROLE, TAG_SWEEP
-
-REST_BULK = "/api/2.0/mlflow/metrics/get-history-bulk-interval"
-REST_MAX_RUNS, REST_MAX_POINTS = 100, 2500  # the server's limits for that endpoint
-SQL_CHUNK = 500  # run ids per SQL `IN (...)`
-Points = list[tuple[int, int, float]]  # (step, timestamp_ms, value)
+from fp8rl_core.tracking import (
+    ROLE_CELL,
+    ROLE_SWEEP,
+    TAG_CELL_ID,
+    TAG_IS,
+    TAG_PARENT,
+    TAG_RECIPE,
+    TAG_ROLE,
+    TAG_SEED,
+    TAG_SWEEP,
+)
+from fp8rl_core.tracking.store import Points, Store
 
 
 @dataclass
@@ -81,52 +81,21 @@ def _points_to_arrays(points: Points) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.array([first[s][1] for s in steps], dtype=np.float64)
 
 
-def _bulk_sql(store: SqlAlchemyStore, run_ids: Sequence[str], key: str) -> dict[str, Points]:
-    out: dict[str, Points] = defaultdict(list)
-    for i in range(0, len(run_ids), SQL_CHUNK):
-        chunk = list(run_ids[i : i + SQL_CHUNK])
-        for m in store.get_metric_history_bulk(chunk, key, max_results=2**62):
-            out[m.run_id].append((int(m.step), int(m.timestamp), float(m.value)))
-    return out
-
-
-def _bulk_rest(client: MlflowClient, store: RestStore, run_ids: Sequence[str], key: str) -> dict[str, Points]:
-    out: dict[str, Points] = defaultdict(list)
-    for i in range(0, len(run_ids), REST_MAX_RUNS):
-        params = {"run_ids": list(run_ids[i : i + REST_MAX_RUNS]), "metric_key": key, "max_results": REST_MAX_POINTS}
-        body = http_request_safe(store.get_host_creds(), REST_BULK, "GET", params=params).json()
-        for m in body.get("metrics", []):
-            out[m["run_id"]].append((int(m.get("step", 0)), int(m.get("timestamp", 0)), float(m["value"])))
-    for run_id, points in list(out.items()):
-        if len(points) >= REST_MAX_POINTS:  # possibly sampled by the server: read it in full
-            out[run_id] = _full(client, run_id, key)
-    return out
-
-
-def _full(client: MlflowClient, run_id: str, key: str) -> Points:
-    return [(int(m.step), int(m.timestamp), float(m.value)) for m in client.get_metric_history(run_id, key)]
-
-
-def read_histories(client: MlflowClient, run_ids: Sequence[str], keys: Iterable[str]) -> dict[str, dict[str, tuple]]:
-    """`{run_id: {key: (steps, values)}}` with one bulk request per key where the store allows it."""
-    store = client._tracking_client.store  # the public client has no bulk history call
+def read_histories(store: Store, run_ids: Sequence[str], keys: Iterable[str]) -> dict[str, dict[str, tuple]]:
+    """`{run_id: {key: (steps, values)}}` with one bulk request per key where the store allows it
+    (`Store.metric_histories`)."""
     result: dict[str, dict[str, tuple]] = {r: {} for r in run_ids}
     for key in keys:
-        if isinstance(store, SqlAlchemyStore):
-            points = _bulk_sql(store, run_ids, key)
-        elif isinstance(store, RestStore):
-            points = _bulk_rest(client, store, run_ids, key)
-        else:
-            points = {r: _full(client, r, key) for r in run_ids}
+        points = store.metric_histories(list(run_ids), key)
         for run_id, pts in points.items():
             if pts and run_id in result:
                 result[run_id][key] = _points_to_arrays(pts)
     return result
 
 
-def _find_parent(client: MlflowClient, exp_id: str, sweep_name: str) -> str | None:
-    runs = client.search_runs([exp_id], f"tags.{TAG_SWEEP} = '{sweep_name}' and tags.`{TAG_ROLE}` = 'sweep'",
-                              ViewType.ACTIVE_ONLY, 1, ["attributes.start_time DESC"])
+def _find_parent(store: Store, exp_id: str, sweep_name: str) -> str | None:
+    runs = store.search_runs([exp_id], f"tags.{TAG_SWEEP} = '{sweep_name}' and tags.`{TAG_ROLE}` = '{ROLE_SWEEP}'",
+                             ["attributes.start_time DESC"], max_results=1)
     return runs[0].info.run_id if runs else None
 
 
@@ -140,21 +109,15 @@ def fetch_sweep(uri: str, experiment: str, sweep_name: str | None = None, parent
     for name, value in (("sweep_name", sweep_name), ("parent_run_id", parent_run_id)):
         if value and ("'" in value or "\\" in value):
             raise ValueError(f"{name}: {value!r} may not contain quotes or backslashes")
-    client = MlflowClient(uri)
+    client = Store(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise ValueError(f"experiment {experiment!r} not found in {uri}")
     exp_id = exp.experiment_id
     parent_run_id = parent_run_id or _find_parent(client, exp_id, sweep_name)
     filt = (f"tags.`{TAG_PARENT}` = '{parent_run_id}'" if parent_run_id
-            else f"tags.{TAG_SWEEP} = '{sweep_name}' and tags.`{TAG_ROLE}` = 'cell'")
-    found, token = [], None
-    while True:
-        page = client.search_runs([exp_id], filt, ViewType.ACTIVE_ONLY, 50000, None, token)
-        found += [r for r in page if TAG_CELL_ID in r.data.tags]
-        token = page.token
-        if not token:
-            break
+            else f"tags.{TAG_SWEEP} = '{sweep_name}' and tags.`{TAG_ROLE}` = '{ROLE_CELL}'")
+    found = [r for r in client.search_runs([exp_id], filt) if TAG_CELL_ID in r.data.tags]
     stale = 0
     if cell_ids is not None:
         current = set(cell_ids)
@@ -164,6 +127,6 @@ def fetch_sweep(uri: str, experiment: str, sweep_name: str | None = None, parent
     histories = read_histories(client, [r.info.run_id for r in found], keys)
     runs = [RunHistory(r.info.run_id, r.info.run_name, r.info.status, dict(r.data.tags), dict(r.data.params),
                        histories[r.info.run_id]) for r in found]
-    runs.sort(key=lambda r: (r.tags.get("recipe", ""), r.tags.get("importance_sampling", ""), r.tags.get("seed", "")))
+    runs.sort(key=lambda r: (r.tags.get(TAG_RECIPE, ""), r.tags.get(TAG_IS, ""), r.tags.get(TAG_SEED, "")))
     sweep_name = sweep_name or (runs[0].tags.get(TAG_SWEEP) if runs else None)
     return SweepData(uri, exp_id, sweep_name, parent_run_id, runs, stale)

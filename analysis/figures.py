@@ -37,7 +37,7 @@ from analysis.claims import step_order  # noqa: E402
 from analysis.config import ACCURACY_LABELS, AnalysisConfig  # noqa: E402
 from analysis.fetch import SweepData  # noqa: E402
 from analysis.kernels import MATCHED, only_kernels  # noqa: E402
-from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL  # noqa: E402
+from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_IS, TAG_RECIPE, TAG_SEED  # noqa: E402
 
 RECIPE_COLORS = {"bf16": "#0072B2", "fp8_gen": "#D55E00", "fp8_e2e": "#009E73"}
 EXTRA_COLORS = ("#CC79A7", "#E69F00", "#56B4E9", "#000000", "#999999")
@@ -177,7 +177,7 @@ def _draw_floor(ax, floor: float, ms: Sequence[Curve]) -> None:
         ax.plot([0], [1.0 + floor * 10 ** dy], transform=ax.get_yaxis_transform(), clip_on=False, color="#333333",
                 marker=[(-1.0, -0.4), (1.0, 0.4)], markersize=9, markeredgewidth=1.1, linestyle="none",
                 label="_axis break")
-    flat = [c.group.get("recipe", "?") for c in ms if c.mean.size and (c.mean == 1.0).all()]
+    flat = [c.group.get(TAG_RECIPE, "?") for c in ms if c.mean.size and (c.mean == 1.0).all()]
     text = (f"ratio {EXACT_LABEL} at every step: {', '.join(flat)} (matched kernels)" if flat
             else f"ratio {EXACT_LABEL} (no mismatch)")
     ax.text(0.99, 1.0 + floor * 10 ** 0.15, text, transform=ax.get_yaxis_transform(), ha="right", va="bottom",
@@ -206,13 +206,13 @@ def order_note(data: SweepData, cfg: AnalysisConfig | None = None) -> str:
             f"{1 - cfg.alpha:.0%} t interval):\n" + " · ".join(parts))
 
 
-def mismatch_figure(data: SweepData, by: Sequence[str] = ("recipe",), cfg: AnalysisConfig | None = None):
+def mismatch_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE,), cfg: AnalysisConfig | None = None):
     """Figure 1 as a matplotlib Figure (not saved): one curve per recipe (distinct kernels), one dashed
     curve per recipe with matched-kernel runs; the caption adds `order_note`."""
     distinct, matched = only_kernels(data), only_kernels(data, MATCHED)
     cs, ms = curves(distinct, M_MISMATCH, by=by), curves(matched, M_MISMATCH, by=by)
-    recipes = [c.group.get("recipe", "?") for c in cs]
-    m_recipes = [c.group.get("recipe", "?") for c in ms]
+    recipes = [c.group.get(TAG_RECIPE, "?") for c in cs]
+    m_recipes = [c.group.get(TAG_RECIPE, "?") for c in ms]
     seen = recipes + m_recipes
     floor, exact = axis_floor([*cs, *ms])
     bounds = (1.0 + floor, np.inf)  # the ratio is >= 1 by definition; bands end at the axis floor
@@ -228,10 +228,10 @@ def mismatch_figure(data: SweepData, by: Sequence[str] = ("recipe",), cfg: Analy
     _log_excess_axis(ax, [*cs, *ms], floor, exact)
     if exact:
         _draw_floor(ax, floor, ms)
-    variants = sorted({r.get("importance_sampling", "?") for r in distinct.runs})
-    seeds = len({r.get("seed", "?") for r in distinct.runs})
+    variants = sorted({r.get(TAG_IS, "?") for r in distinct.runs})
+    seeds = len({r.get(TAG_SEED, "?") for r in distinct.runs})
     pooled = (f"runs per recipe = {seeds} seeds × {len(variants)} IS settings"
-              if len(variants) > 1 and "importance_sampling" not in by else "")
+              if len(variants) > 1 and TAG_IS not in by else "")
     order = order_note(data, cfg)
     note = ci_note(cs, pooled) + (f"\n{_matched_note(ms)}" if ms else "") + (f"\n{order}" if order else "")
     _finish(ax, "Figure 1 · Generation vs training mismatch", _subtitle(data), "RL step",
@@ -258,12 +258,12 @@ def _matched_note(ms: Sequence[Curve]) -> str:
             f"mean over {n} run{'' if n == '1' else 's'} each")
 
 
-def accuracy_figure(data: SweepData, by: Sequence[str] = ("recipe", "importance_sampling"), metric: str = M_VAL_ACC):
+def accuracy_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE, TAG_IS), metric: str = M_VAL_ACC):
     """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS of `metric`, distinct kernels."""
     data = only_kernels(data)
     cs = curves(data, metric, by=by)
-    recipes = [c.group.get("recipe", "?") for c in cs]
-    variants = [c.group.get("importance_sampling", "none") for c in cs]
+    recipes = [c.group.get(TAG_RECIPE, "?") for c in cs]
+    variants = [c.group.get(TAG_IS, "none") for c in cs]
     scale = 100.0 if all(np.nanmax(np.abs(c.values)) <= 1.0 for c in cs) else 1.0  # fractions: show %
     fig, ax = plt.subplots(figsize=(9.5, 5.2), layout="constrained")
     labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]

@@ -23,7 +23,7 @@ from analysis.aggregate import recipe_rank
 from analysis.claims import ratio_text
 from analysis.fetch import RunHistory
 from analysis.kernels import DISTINCT, MATCHED, only_kernels
-from fp8rl_core.tracking import M_MISMATCH
+from fp8rl_core.tracking import M_MISMATCH, TAG_IS, TAG_RECIPE, TAG_SEED
 
 NAN = float("nan")
 
@@ -50,13 +50,13 @@ def floor_rows(runs: Sequence[RunHistory]) -> list[dict]:
     """`[{recipe, seeds, runs, median, exact_fraction, distinct_median}]`, recipes in the study's order."""
     matched, distinct = only_kernels(runs, MATCHED), only_kernels(runs, DISTINCT)
     rows = []
-    for recipe in sorted({r.get("recipe") or "?" for r in matched}, key=recipe_rank):
-        members = [r for r in matched if (r.get("recipe") or "?") == recipe]
-        stats = [(r.get("seed") or "?", *_per_run(r)) for r in members]
+    for recipe in sorted({r.get(TAG_RECIPE) or "?" for r in matched}, key=recipe_rank):
+        members = [r for r in matched if (r.get(TAG_RECIPE) or "?") == recipe]
+        stats = [(r.get(TAG_SEED) or "?", *_per_run(r)) for r in members]
         median, seeds = _mean_over_seeds([(s, m) for s, m, _ in stats])
         exact, _ = _mean_over_seeds([(s, f) for s, _, f in stats])
-        twins = [r for r in distinct if r.get("recipe") == recipe and r.get("importance_sampling") == "none"]
-        distinct_median, _ = _mean_over_seeds([(r.get("seed") or "?", _per_run(r)[0]) for r in twins])
+        twins = [r for r in distinct if r.get(TAG_RECIPE) == recipe and r.get(TAG_IS) == "none"]
+        distinct_median, _ = _mean_over_seeds([(r.get(TAG_SEED) or "?", _per_run(r)[0]) for r in twins])
         rows.append({"recipe": recipe, "seeds": seeds, "runs": len(members), "median": median,
                      "exact_fraction": exact, "distinct_median": distinct_median})
     return rows

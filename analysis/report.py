@@ -158,9 +158,9 @@ def _write_claims(out: Path, results: list[ClaimResult], aside: list[ClaimResult
 
 
 def _log_to_parent(uri: str, paths: ReportPaths) -> None:
-    from mlflow import MlflowClient
+    from fp8rl_core.tracking.store import Store
 
-    client = MlflowClient(uri)
+    client = Store(uri)
     for path in paths.files():
         client.log_artifact(paths.logged_to, str(path), ARTIFACT_DIR)
     for r in paths.results:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats
@@ -32,7 +32,7 @@ from scipy import stats
 from analysis.aggregate import IS_ORDER, RECIPE_ORDER, final_value
 from analysis.fetch import RunHistory
 from analysis.kernels import DISTINCT, only_kernels
-from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAIL_FRACTIONS
+from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_IS, TAG_RECIPE, TAG_SEED, TAIL_FRACTIONS
 
 FRAC_METRICS = TAIL_FRACTIONS  # the MLflow contract's per-step tail fractions (fp8rl_core/tracking)
 NAN = float("nan")
@@ -76,7 +76,7 @@ def summarize(run: RunHistory, trim: float = 0.1) -> RunSummary:
         robust = dict(mismatch_median=float(np.median(mm)), mismatch_trimmed=float(stats.trim_mean(mm, trim)),
                       mismatch_mean=float(mm.mean()), mismatch_p99=float(np.percentile(mm, 99)),
                       mismatch_max=float(mm.max()))
-    return RunSummary(run.get("recipe") or "?", run.get("importance_sampling") or "?", run.get("seed") or "?",
+    return RunSummary(run.get(TAG_RECIPE) or "?", run.get(TAG_IS) or "?", run.get(TAG_SEED) or "?",
                       run.run_id, frac_gt=tuple(_mean_of(run, k) for k in FRAC_METRICS),
                       final_accuracy=final_value(run, M_VAL_ACC),
                       final_accuracy_bf16_eval=final_value(run, M_VAL_ACC_BF16_EVAL), **robust)
@@ -119,7 +119,7 @@ def step_order_fractions(runs: Sequence[RunHistory], low: str, high: str, key: s
     """Per seed: the fraction of the steps both paired runs logged where `low`'s value < `high`'s,
     averaged over the seed's IS settings (Figure 1's "consistently lower", paired step by step).
     Distinct-kernel runs only (a matched cell shares its distinct twin's recipe, IS and seed)."""
-    cells = {(r.get("recipe"), r.get("importance_sampling"), r.get("seed")): r for r in only_kernels(runs)}
+    cells = {(r.get(TAG_RECIPE), r.get(TAG_IS), r.get(TAG_SEED)): r for r in only_kernels(runs)}
     by_seed: dict[str, list[float]] = defaultdict(list)
     for (recipe, setting, seed), run_low in cells.items():
         run_high = cells.get((high, setting, seed))
@@ -131,9 +131,6 @@ def step_order_fractions(runs: Sequence[RunHistory], low: str, high: str, key: s
         if common.size:
             by_seed[seed].append(float(np.mean(v1[i1] < v2[i2])))
     return np.array([np.mean(by_seed[s]) for s in sorted(by_seed)], dtype=np.float64)
-
-
-SUMMARY_FIELDS = tuple(f.name for f in fields(RunSummary))
 
 
 def _agg(values: Sequence[float], how: str = "mean") -> float:

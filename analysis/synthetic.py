@@ -37,7 +37,21 @@ import numpy as np
 from analysis.fetch import RunHistory
 from analysis.kernels import DISTINCT, KERNELS_PARAM, MATCHED
 from analysis.summaries import FRAC_METRICS
-from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
+from fp8rl_core.tracking import (
+    FINISHED,
+    M_IS_WEIGHT,
+    M_LOSS,
+    M_MISMATCH,
+    M_REWARD,
+    M_STEP_TIME,
+    M_TOKENS_PER_S,
+    M_VAL_ACC,
+    M_VAL_ACC_BF16_EVAL,
+    TAG_CELL_ID,
+    TAG_IS,
+    TAG_RECIPE,
+    TAG_SEED,
+)
 
 MISMATCH = {"bf16": 1.004, "fp8_gen": 1.06, "fp8_e2e": 1.02}
 FINAL_ACC = {("bf16", "none"): 0.70, ("bf16", "token"): 0.70, ("fp8_gen", "none"): 0.52,
@@ -71,7 +85,7 @@ def synthetic_runs(recipes: Sequence[str] = ("bf16", "fp8_gen", "fp8_e2e"),
         metrics = shape.metrics(rng if kernels == DISTINCT else matched_rng, recipe, isv, mm_mean,
                                 final_acc.get((recipe, isv), 0.6), shared[seed], seed_sd)
         if spikes and kernels == DISTINCT and (recipe, isv, seed) in spikes:
-            mm = metrics["token_mult_prob_error"][1]
+            mm = metrics[M_MISMATCH][1]
             mm[[steps // 4, steps // 2, (3 * steps) // 4]] = spikes[(recipe, isv, seed)]
             if tails:
                 shape.add_tails(metrics)
@@ -80,10 +94,9 @@ def synthetic_runs(recipes: Sequence[str] = ("bf16", "fp8_gen", "fp8_e2e"),
             noise = eval_rng.normal(0, 0.003, acc.size) * (recipe != "bf16")
             metrics[M_VAL_ACC_BF16_EVAL] = (val_steps, acc - eval_offset.get(recipe, 0.0) + noise)
         suffix = "-matched" if kernels == MATCHED else ""
-        tags = {"recipe": recipe, "importance_sampling": isv, "seed": str(seed),
-                "cell_id": f"{recipe}-{isv}-{seed}{suffix}"}
+        tags = {TAG_RECIPE: recipe, TAG_IS: isv, TAG_SEED: str(seed), TAG_CELL_ID: f"{recipe}-{isv}-{seed}{suffix}"}
         params = {"recipe": recipe, "loss.importance_sampling": isv, "seed": str(seed), KERNELS_PARAM: kernels}
-        runs.append(RunHistory("", f"{recipe}-{isv}-s{seed}{suffix}", "FINISHED", tags, params, metrics))
+        runs.append(RunHistory("", f"{recipe}-{isv}-s{seed}{suffix}", FINISHED, tags, params, metrics))
     return runs
 
 
@@ -105,13 +118,13 @@ class _Shape:
         acc[-1] = target
         step_time = STEP_TIME.get(recipe, 1.0) * (1 + rng.normal(0, 0.02, steps))
         metrics = {
-            "token_mult_prob_error": (all_steps, mm),
+            M_MISMATCH: (all_steps, mm),
             M_VAL_ACC: (val_steps, acc),
-            "reward_mean": (all_steps, np.interp(all_steps, val_steps, acc) + rng.normal(0, 0.02, steps)),
-            "is_weight_mean": (all_steps, 1 + rng.normal(0, 0.01, steps) * (isv != "none")),
-            "loss": (all_steps, 0.5 * np.exp(-all_steps / steps) + rng.normal(0, 0.01, steps)),
-            "step_time_s": (all_steps, step_time),
-            "tokens_per_s": (all_steps, 1024 / step_time),
+            M_REWARD: (all_steps, np.interp(all_steps, val_steps, acc) + rng.normal(0, 0.02, steps)),
+            M_IS_WEIGHT: (all_steps, 1 + rng.normal(0, 0.01, steps) * (isv != "none")),
+            M_LOSS: (all_steps, 0.5 * np.exp(-all_steps / steps) + rng.normal(0, 0.01, steps)),
+            M_STEP_TIME: (all_steps, step_time),
+            M_TOKENS_PER_S: (all_steps, 1024 / step_time),
         }
         if self.tails:
             self.add_tails(metrics)
@@ -119,7 +132,7 @@ class _Shape:
 
     @staticmethod
     def add_tails(metrics: dict) -> None:
-        all_steps, mm = metrics["token_mult_prob_error"]
+        all_steps, mm = metrics[M_MISMATCH]
         for i, key in enumerate(FRAC_METRICS):
             metrics[key] = (all_steps, np.clip((mm - 1) * 10.0 ** -i, 0, 1))
 
@@ -128,18 +141,19 @@ def log_sweep(uri: str, experiment: str, sweep_name: str, runs: Sequence[RunHist
               config_dir: str | Path | None = None) -> str:
     """Write `runs` as a sweep (parent + child runs, through `fp8rl_core.tracking.runs`); sets each
     run's `run_id`; returns the parent run id. Metrics go in `log_batch` calls of <= 1000."""
-    from mlflow import MlflowClient
     from mlflow.entities import Metric
 
+    from fp8rl_core.tracking import TAG_CELL_ID, TAG_SEED
     from fp8rl_core.tracking import runs as tr
+    from fp8rl_core.tracking.store import Store
 
     exp_id = tr.ensure_experiment(uri, experiment)
-    parent = tr.create_parent_run(uri, experiment, sweep_name, params={"seeds": len({r.tags["seed"] for r in runs})},
+    parent = tr.create_parent_run(uri, experiment, sweep_name, params={"seeds": len({r.tags[TAG_SEED] for r in runs})},
                                   config={"experiment": experiment, "name": sweep_name})
-    client = MlflowClient(uri)
+    client = Store(uri)
     for run in runs:
-        tags = {k: v for k, v in run.tags.items() if k != "cell_id"}
-        run.run_id, _ = tr.find_or_create_cell_run(uri, exp_id, parent, run.tags["cell_id"], tags=tags,
+        tags = {k: v for k, v in run.tags.items() if k != TAG_CELL_ID}
+        run.run_id, _ = tr.find_or_create_cell_run(uri, exp_id, parent, run.tags[TAG_CELL_ID], tags=tags,
                                                    params=run.params, config=run.params, run_name=run.run_name)
         metrics = [Metric(k, float(v), 1_700_000_000_000 + int(s), int(s))
                    for k, (steps, values) in run.metrics.items() for s, v in zip(steps, values)]
@@ -172,10 +186,10 @@ def constant_runs(mismatch: dict[str, list[float]] | None = None, acc: dict[tupl
                 mm = np.full(CONST_STEPS.size, v)
                 if isv == "none" and spikes and (recipe, seed) in spikes:
                     mm[[2, 5]] = spikes[(recipe, seed)]
-                cells.setdefault((recipe, isv, seed), {})["token_mult_prob_error"] = (CONST_STEPS, mm)
+                cells.setdefault((recipe, isv, seed), {})[M_MISMATCH] = (CONST_STEPS, mm)
     for key, table in ((M_VAL_ACC, acc), (M_VAL_ACC_BF16_EVAL, acc_bf16_eval)):
         for (recipe, isv), values in (table or {}).items():
             for seed, v in enumerate(values):
                 cells.setdefault((recipe, isv, seed), {})[key] = (CONST_STEPS[:4], np.r_[0.1, 0.2, 0.3, v])
-    return [RunHistory(f"{r}-{i}-{s}", "", "FINISHED", {"recipe": r, "importance_sampling": i, "seed": str(s)}, {}, m)
+    return [RunHistory(f"{r}-{i}-{s}", "", FINISHED, {TAG_RECIPE: r, TAG_IS: i, TAG_SEED: str(s)}, {}, m)
             for (r, i, s), m in cells.items()]

@@ -22,11 +22,20 @@ from pathlib import Path
 from analysis.aggregate import DEFAULT_GROUP_KEYS, final_value, group_estimates, group_runs, mean_value, median_value
 from analysis.fetch import SweepData
 from analysis.kernels import only_kernels
-from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_STEP_TIME, M_TOKENS_PER_S, M_VAL_ACC, M_VAL_ACC_BF16_EVAL
+from fp8rl_core.tracking import (
+    M_IS_WEIGHT,
+    M_MISMATCH,
+    M_STEP_TIME,
+    M_TOKENS_PER_S,
+    M_VAL_ACC,
+    M_VAL_ACC_BF16_EVAL,
+    TAG_IS,
+    TAG_RECIPE,
+)
 
-COLUMNS = ("recipe", "importance_sampling", "seeds", "final_val_accuracy", "final_val_accuracy_ci95",
+COLUMNS = (TAG_RECIPE, TAG_IS, "seeds", "final_val_accuracy", "final_val_accuracy_ci95",
            "final_val_accuracy_bf16_eval", "final_val_accuracy_bf16_eval_ci95",
-           "mismatch", "mismatch_ci95", "is_weight_mean", "step_time_s", "tokens_per_s")
+           "mismatch", "mismatch_ci95", M_IS_WEIGHT, M_STEP_TIME, M_TOKENS_PER_S)
 
 
 def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS) -> list[dict]:
@@ -45,8 +54,8 @@ def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS) -> lis
                    final_val_accuracy=acc[group].mean, final_val_accuracy_ci95=acc[group].half,
                    final_val_accuracy_bf16_eval=acc_bf16[group].mean,
                    final_val_accuracy_bf16_eval_ci95=acc_bf16[group].half,
-                   mismatch=mm[group].mean, mismatch_ci95=mm[group].half, is_weight_mean=isw[group].mean,
-                   step_time_s=st[group].mean, tokens_per_s=tps[group].mean)
+                   mismatch=mm[group].mean, mismatch_ci95=mm[group].half)
+        row.update({M_IS_WEIGHT: isw[group].mean, M_STEP_TIME: st[group].mean, M_TOKENS_PER_S: tps[group].mean})
         rows.append(row)
     return rows
 
@@ -78,9 +87,9 @@ def markdown_table(rows: Sequence[dict], by: Sequence[str] = DEFAULT_GROUP_KEYS)
             _pm(r["final_val_accuracy"], r["final_val_accuracy_ci95"], ".1f", scale, unit),
             _pm(r["final_val_accuracy_bf16_eval"], r["final_val_accuracy_bf16_eval_ci95"], ".1f", scale, unit),
             _pm(r["mismatch"], r["mismatch_ci95"], ".4f"),
-            _num(r["is_weight_mean"], ".3f") or "–",
-            _num(r["step_time_s"], ".2f") or "–",
-            _num(r["tokens_per_s"], ".0f") or "–",
+            _num(r[M_IS_WEIGHT], ".3f") or "–",
+            _num(r[M_STEP_TIME], ".2f") or "–",
+            _num(r[M_TOKENS_PER_S], ".0f") or "–",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     note = ("Mean ± 95% CI half-width over seeds (Student t); no ± with one seed. Distinct-kernel runs; "
@@ -96,7 +105,7 @@ def write_table(data: SweepData, out_dir: str | Path, stem: str = "summary",
     rows = summary_rows(data, by)
     md, cs = out / f"{stem}.md", out / f"{stem}.csv"
     md.write_text(markdown_table(rows, by))
-    columns = list(by) + [c for c in COLUMNS if c not in ("recipe", "importance_sampling")]
+    columns = list(by) + [c for c in COLUMNS if c not in (TAG_RECIPE, TAG_IS)]
     with open(cs, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

@@ -29,17 +29,16 @@ dequantizes to BF16 at load).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config import RECIPES
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
+from fp8rl_core.io.environ import environ
 from fp8rl_core.model.config import ModelConfig, preset
 
 
@@ -93,7 +92,7 @@ def generate_call(engine: NativeGenerationEngine, prompts: list[list[int]], n: i
     sampling = SamplingParams(max_new_tokens=n)
 
     def call() -> None:
-        with environment({"FP8RL_FUSED": "0"} if before else {}):
+        with environ({"FP8RL_FUSED": "0"} if before else {}):
             engine.generate(prompts, sampling)
 
     return call
@@ -142,9 +141,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     cfg = preset("tiny", eos_token_id=None)
     model = hf_model(cfg, torch.bfloat16)
-    engines = {"bf16": NativeGenerationEngine(cfg), "fp8": NativeGenerationEngine(cfg, fp8=True, fp8_spec=Fp8Spec()),
+    engines = {"bf16": NativeGenerationEngine(cfg), "fp8": NativeGenerationEngine(cfg, recipe=RECIPES["fp8_gen"]),
                "fp32": NativeGenerationEngine(cfg, dtype=torch.float32),
-               "fp8-fp32": NativeGenerationEngine(cfg, fp8=True, fp8_spec=Fp8Spec(), dtype=torch.float32)}
+               "fp8-fp32": NativeGenerationEngine(cfg, recipe=RECIPES["fp8_gen"], dtype=torch.float32)}
     if args.before:
         engines["fp8-before"] = engines["fp8"]  # same weights; timed with the reference quantizer
     for engine in engines.values():
@@ -172,17 +171,6 @@ def main() -> None:
                       f"{t_hf / t_ours:>5.1f}x {bound:>17.1f}x {vs32}")
     print(f"load average (1, 5, 15 min): before {tuple(round(v, 2) for v in load0)}, "
           f"after {tuple(round(v, 2) for v in os.getloadavg())} on {os.cpu_count()} CPUs")
-
-
-@contextlib.contextmanager
-def environment(env: dict[str, str]) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 if __name__ == "__main__":

@@ -59,9 +59,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from generation import environment  # benchmarks/generation.py (this folder is on sys.path when run as a script)
 
 from fp8rl_core.config import RunConfig, load_run_config
+from fp8rl_core.io.environ import environ
 from fp8rl_core.loop.builder import build_context, initial_checkpoint, load_tokenizer
 from fp8rl_core.loop.step import grpo_step
 from fp8rl_core.model.bf16 import recorded_flags, resolve_bf16_compute
@@ -105,7 +105,7 @@ def time_ours(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str,
     of each per round), so that a change of the machine's load reaches all of them alike."""
     ctxs, out = {}, {}
     for name in names:
-        with environment(BEFORE_ENV if name.endswith(" before") else {}):
+        with environ(BEFORE_ENV if name.endswith(" before") else {}):
             ctxs[name] = build_context(run_config(args, name), progress=False)
         rng = random.Random()
         rng.setstate(ctxs[name].data_rng.getstate())
@@ -114,7 +114,7 @@ def time_ours(args: argparse.Namespace, names: list[str]) -> dict[str, dict[str,
     for step in range(args.warmup + args.steps):
         for name, ctx in ctxs.items():
             gen_seconds[name].clear()
-            with environment(BEFORE_ENV if name.endswith(" before") else {}):
+            with environ(BEFORE_ENV if name.endswith(" before") else {}):
                 t0 = CLOCK()
                 m = grpo_step(ctx)
                 seconds = CLOCK() - t0

@@ -20,21 +20,22 @@ import tempfile
 import time
 from pathlib import Path
 
-from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-KEYS = ("token_mult_prob_error", "reward_mean", "val_accuracy", "is_weight_mean", "loss", "step_time_s")
+from fp8rl_core.tracking import CONTRACT_METRICS, FINISHED
+from fp8rl_core.tracking.store import Store
+
+KEYS = CONTRACT_METRICS[:6]  # the contract's per-step metrics: six values a step
 
 
 def _fresh_run(uri: str, name: str) -> str:
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name(name) or None
-    exp_id = exp.experiment_id if exp else client.create_experiment(name)
+    client = Store(uri)
+    exp_id = client.experiment_id(name) or client.create_experiment(name)
     return client.create_run(exp_id).info.run_id
 
 
 def time_single(uri: str, n: int) -> tuple[float, float]:
-    client = MlflowClient(uri)
+    client = Store(uri)
     run_a, run_b = _fresh_run(uri, "bench-a"), _fresh_run(uri, "bench-b")
     ts = int(time.time() * 1000)
     t0 = time.perf_counter()
@@ -50,13 +51,13 @@ def time_single(uri: str, n: int) -> tuple[float, float]:
 
 WORKER = rf"""
 import json, sys, time
-from mlflow import MlflowClient
 from mlflow.entities import Metric
+from fp8rl_core.tracking.store import Store
 mode, uri, run_id, buf, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 keys = {KEYS!r}
 t0 = time.perf_counter(); lost = 0; failures = 0
 if mode == "raw":
-    client = MlflowClient(uri)
+    client = Store(uri)
     for s in range(steps):
         try:
             client.log_batch(run_id, metrics=[Metric(k, s + i / 10, int(time.time() * 1000), s)
@@ -69,7 +70,7 @@ else:
     for s in range(steps):
         sink.log(s, {{k: s + i / 10 for i, k in enumerate(keys)}})
         sink.flush()
-    ok = sink.close("FINISHED")
+    ok = sink.close({FINISHED!r})
     failures = sink.failures; lost = 0 if ok else -1
 print(json.dumps({{"wall_s": time.perf_counter() - t0, "lost_steps": lost, "retries": failures}}))
 """
@@ -82,7 +83,7 @@ def concurrent(uri: str, procs: int, steps: int, mode: str, tmp: Path) -> dict:
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for i, r in enumerate(run_ids)]
     outs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in ps]
     wall = time.perf_counter() - t0
-    client = MlflowClient(uri)
+    client = Store(uri)
     landed = dups = 0
     for r in run_ids:
         for k in KEYS:
@@ -104,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         uri = f"sqlite:///{tmp / 'mlflow.db'}"
-        MlflowClient(uri).search_experiments()  # create the tables before timing
+        Store(uri).create_tables()  # create the tables before timing
         rows = [("sqlite", *time_single(uri, args.metrics))]
         if args.http:
             from fp8rl_core.tracking.server import start_server

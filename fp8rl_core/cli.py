@@ -2,7 +2,7 @@
 
     fp8rl-train --config run.yaml recipe=fp8_e2e loss.importance_sampling=token seed=1
     fp8rl-train --print-config train.steps=5        # show the resolved config and its id, run nothing
-    fp8rl-train explain RUN_DIR [--step N]          # where a run's mismatch comes from (fp8rl_core/diagnostics)
+    fp8rl-train explain RUN_DIR [--step N]          # where a run's mismatch comes from (analysis/explain.py)
     torchrun --standalone --nproc-per-node 2 -m fp8rl_core.cli train.steps=5   # one run on 2 ranks
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ from fp8rl_core.distributed.env import detect_rank_env
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["explain"]:  # a verb, not an override (an override always has "=")
-        from fp8rl_core.diagnostics.explain import main as explain_main
+        # the one import of analysis from the core: the report lives there, the replay in fp8rl_core/diagnostics
+        from analysis.explain import main as explain_main
 
         return explain_main(argv[1:])
     ap = argparse.ArgumentParser(prog="fp8rl-train", description=__doc__.split("\n")[0],

@@ -1,10 +1,10 @@
 """The sweep engine. The data path reads from the folder names (docs/design.md):
 
-    spec/       the sweep file: schema, loading, overrides, run-config keys, search space (no side effects)
+    sweepfile/  the sweep file: schema, loading, overrides, run-config keys, search space (no side effects)
     plan/       cells and their ids, grid expansion, the rules table (state -> action), `sweep plan` text (pure)
     run/        the side effects: the run-state object, driver, loop, search, jobs, state file, status, cancel
     executors/  where jobs run: local, debug, slurm/ (submitit; the sbatch mapping)
     cli.py      the `sweep` command
 
-spec/ and plan/ never import run/.
+sweepfile/ and plan/ never import run/.
 """

@@ -47,12 +47,24 @@ def load(args: argparse.Namespace) -> Sweep:
     return load_sweep(args.file, args.overrides)
 
 
+def load_for_work(args: argparse.Namespace) -> Sweep:
+    """`load`, plus what only the verbs that plan or start cells check (not status, report or cancel,
+    which must work on any sweep): a `model.path` that is not here (launchers.plan.model_paths)."""
+    from launchers.plan.model_paths import check_model_paths
+
+    sweep = load(args)
+    warning = check_model_paths(sweep)
+    if warning:
+        print(warning, file=sys.stderr)
+    return sweep
+
+
 @command("plan", "show the cells, their state and what `run` would do; launch nothing", sweep_file_args,
          lambda p: p.add_argument("--all", action="store_true", help="list every cell (default: the first 200)"))
 def plan(args: argparse.Namespace) -> int:
     from launchers.plan.memory import plan_cells, refusal
 
-    sweep = load(args)
+    sweep = load_for_work(args)
     expansion = None if sweep.spec.search is not None else expand_grid(sweep)
     max_rows = None if args.all else plan_text.DEFAULT_MAX_ROWS
     memory = plan_cells(sweep, expansion.cells) if expansion is not None else None
@@ -79,7 +91,7 @@ STATE_PROVIDER = _plan_states  # MLflow's states (+ retries used up) for `plan`
          lambda p: p.add_argument("--retry-failed", action="store_true",
                                   help="also re-run cells (and search trials) that used up their retries"))
 def run(args: argparse.Namespace) -> int:
-    sweep = load(args)
+    sweep = load_for_work(args)
     if sweep.spec.search is not None:
         from launchers.run.search import run_search
 
@@ -189,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launchers.executors.local import restore_sigint
+    from launchers.process import restore_sigint
 
     restore_sigint()  # Ctrl-C and `sweep cancel` work even under `nohup ... &`
     args = build_parser().parse_args(argv)

@@ -59,14 +59,16 @@ def capture(browser: str, url: str, png: Path, budget_ms: int = 20000, size: tup
 
 def make_store(store_dir: Path, seeds: int = 2) -> tuple[str, str, str]:
     """A finished synthetic sweep with its report: `(uri, experiment_id, parent_run_id)`."""
-    from mlflow import MlflowClient
+    from fp8rl_core.tracking import FINISHED
+    from fp8rl_core.tracking.store import Store
 
     store_dir.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{store_dir / 'mlflow.db'}"
     parent = log_sweep(uri, "fp8rl", "ui-demo", synthetic_runs(seeds=seeds, steps=31))
     make_report(uri, "fp8rl", "ui-demo", store_dir / "report")
-    MlflowClient(uri).set_terminated(parent, "FINISHED")
-    return uri, MlflowClient(uri).get_experiment_by_name("fp8rl").experiment_id, parent
+    store = Store(uri)
+    store.set_terminated(parent, FINISHED)
+    return uri, store.experiment_id("fp8rl"), parent
 
 
 def take_screenshots(out_dir: Path, store_dir: Path | None = None, browser: str | None = None) -> dict[str, Path]:

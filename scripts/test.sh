@@ -19,6 +19,8 @@ if [ "${FP8RL_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && command -v apt-get
 fi
 # lint first: seconds, and a failure here needs no cluster to see (pyproject.toml [tool.ruff])
 ruff check . || { echo "ruff check failed: fix the lines above (ruff check --fix . fixes most)" >&2; exit 1; }
+# layer rules (pyproject.toml [tool.importlinter], docs/design.md "Layers"): which package may import which
+lint-imports --no-cache || { echo "lint-imports: an import crosses a layer rule (above); see docs/design.md" >&2; exit 1; }
 set +e
 python -m pytest "$@"
 rc=$?

@@ -1,18 +1,15 @@
-"""Per-step metrics of a GRPO run that are pure functions of tensors (the loop adds timings).
+"""The study's mismatch metric, a pure function of tensors (Figure 1's `token_mult_prob_error`).
 
-The study's Figure 1 is `token_mult_prob_error`: how far the training engine's log-probs of the sampled
-tokens (same weights, before the update) are from what the generation engine reported.
-Shapes: B sequences x T tokens; P prompts x G samples; V vocabulary.
+How far the training engine's log-probs of the sampled tokens (same weights, before the update) are
+from what the generation engine reported. Shapes: B sequences x T tokens.
 Every other framework's mismatch metric (NeMo RL, verl, TRL), computed in one pass per step, is in
-fp8rl_core/diagnostics/catalogue.py; the functions here agree with it bit for bit where they overlap.
+fp8rl_core/diagnostics/catalogue.py; this one agrees with it bit for bit.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-
-from fp8rl_core.algorithms.grpo import k3_kl
 
 
 def _valid_diff(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -24,6 +21,21 @@ def _valid_diff(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: 
     return train_logprobs.detach().double()[m] - gen_logprobs.detach().double()[m]
 
 
+def mult_prob_error_terms(abs_d: torch.Tensor) -> torch.Tensor:
+    """exp(|d|) per token, d = train - gen: the terms token_mult_prob_error averages (NeMo RL's
+    definition). The one place the formula lives: the step's all-ranks sum and the diagnostics
+    catalogue use it too, so every report of the metric is the same bits."""
+    return torch.exp(abs_d)
+
+
+def token_mult_prob_error_sum(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
+                              mask: torch.Tensor) -> tuple[float, int]:
+    """(sum_i exp(|train_i - gen_i|), n) over the n valid tokens, in float64: what ranks all-reduce
+    before dividing (the metric is token-weighted over the global batch). Shapes as below."""
+    d = _valid_diff(train_logprobs, gen_logprobs, mask)
+    return float(mult_prob_error_terms(d.abs()).sum()), d.numel()
+
+
 def token_mult_prob_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
                           mask: torch.Tensor) -> float:
     """(1/n) sum_i exp(|train_i - gen_i|) over the n valid tokens of the batch (token-weighted).
@@ -33,62 +45,7 @@ def token_mult_prob_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tens
     bound. Computed in float64. Returns nan when no token is valid (no data, not a perfect match); a
     non-finite log-prob on a valid token gives inf/nan, on purpose: it is a broken engine.
     """
-    d = _valid_diff(train_logprobs, gen_logprobs, mask)
-    if d.numel() == 0:
-        return math.nan
+    total, n = token_mult_prob_error_sum(train_logprobs, gen_logprobs, mask)
     # sum / n (not .mean()): the same float64 operations as the diagnostics catalogue, so both report
     # the same bits (fp8rl_core/diagnostics/catalogue.py lists the other frameworks' metrics)
-    return float(torch.exp(d.abs()).sum()) / d.numel()
-
-
-def mismatch_stats(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, float]:
-    """Generation/training mismatch metrics over the valid tokens (nan each when none).
-
-    token_mult_prob_error: as above; logprob_abs_diff_max: max |train - gen|;
-    gen_kl: mean k3 estimate of KL(pi_gen || pi_train) on the sampled tokens,
-    exp(train - gen) - (train - gen) - 1 (NeMo RL's gen_kl_error); num_valid_tokens: n.
-    """
-    d = _valid_diff(train_logprobs, gen_logprobs, mask)
-    n = d.numel()
-    if n == 0:
-        return {"token_mult_prob_error": math.nan, "logprob_abs_diff_max": math.nan, "gen_kl": math.nan,
-                "num_valid_tokens": 0.0}
-    return {
-        "token_mult_prob_error": float(torch.exp(d.abs()).mean()),
-        "logprob_abs_diff_max": float(d.abs().max()),
-        "gen_kl": float(k3_kl(torch.zeros_like(d), d, clamp=None).mean()),
-        "num_valid_tokens": float(n),
-    }
-
-
-def reward_stats(rewards: torch.Tensor) -> dict[str, float]:
-    """rewards: Float[P, G]. reward_mean, reward_std (population, all P*G samples), and
-    frac_zero_std_groups: fraction of prompts whose G rewards are all equal (no GRPO signal)."""
-    if rewards.dim() != 2 or rewards.numel() == 0:
-        raise ValueError(f"rewards must be a non-empty [P, G] tensor, got shape {tuple(rewards.shape)}")
-    r = rewards.detach().double()
-    flat_groups = (r == r[:, :1]).all(dim=1)
-    return {
-        "reward_mean": float(r.mean()),
-        "reward_std": float(r.std(correction=0)),
-        "frac_zero_std_groups": float(flat_groups.double().mean()),
-    }
-
-
-def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean entropy (nats) of the next-token distributions at the valid positions.
-
-    logits: Float[B, T, V] (already temperature-scaled when the sampling distribution is meant);
-    mask: Bool[B, T]. H_t = -sum_v p_v log p_v. Returns nan when no position is valid.
-    """
-    if logits.dim() != 3 or logits.shape[:2] != mask.shape:
-        raise ValueError(f"logits must be [B, T, V] matching mask [B, T]; got {tuple(logits.shape)} "
-                         f"and {tuple(mask.shape)}")
-    m = mask.bool()
-    if not m.any():
-        return math.nan
-    with torch.no_grad():
-        p = torch.softmax(logits.detach()[m].float(), dim=-1)  # [n, V]
-        ent = -torch.special.xlogy(p, p).sum(dim=-1)  # xlogy: 0 log 0 = 0 (masked-out vocab entries)
-    return float(ent.double().mean())
+    return total / n if n else math.nan

@@ -1,32 +1,105 @@
-"""The study's recipes: which engine runs its linear layers in blockwise FP8.
+"""The recipe, resolved once: what each engine quantizes and how, as one object of plain values.
 
-A registry, so that a new recipe is one entry and an unknown name lists the known ones.
+    recipe = resolve_recipe("fp8_e2e", Fp8Spec(bf16_last_layers=1))   # at the edge (config.recipe_of(cfg))
+    recipe.generation        # Quantization | None: the generation engine's linears (None: BF16)
+    recipe.training          # Quantization | None: the trainer's Fp8Linear forward and backward
+    recipe.fp8_block(i, L)   # does block i of L run its linears in FP8 (first/last N kept BF16)?
+
+The registry names the study's recipes (which engine runs FP8); the run config's `fp8` section supplies
+the knobs. Engines, Fp8Linear's conversion, the converters to vLLM and Megatron, the memory plan and
+`explain` receive this object, never a recipe name or the run config. A new recipe is one registry
+entry; a new quantization knob is one `Quantization` field named as its `fp8.*` key (resolve_recipe
+copies it) plus the kernel that reads it.
+
+Torch-free: the sweep driver validates recipe names without importing torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How one engine's FP8 linear layers quantize: E4M3 blocks with FP32 scales (DeepSeek-V3: weights
+    [128, 128], activations and gradients [1, 128])."""
+
+    power_of_two_scales: bool = False  # scales rounded up to 2^k (Transformer Engine's default)
+    check_finite: bool = True  # raise on NaN/inf before quantizing
+    # trainer only: Q(W) of the BF16 rounding of the FP32 master ("bf16", what the generation engine is
+    # refit with) or of the master itself ("master"); the generation engine quantizes what a refit sends
+    quantize_from: str = "bf16"
 
 
 @dataclass(frozen=True)
 class Recipe:
+    """One arm of the study, resolved: each engine's quantization (None: BF16) and the layers kept BF16.
+    Attention, norms, embeddings and the LM head stay BF16 in every recipe."""
+
     name: str
-    fp8_generation: bool  # generation engine: weights [128,128] + dynamic activations [1,128] in E4M3
-    fp8_training: bool  # training engine: Fp8Linear forward and backward
-    description: str
+    generation: Quantization | None = None
+    training: Quantization | None = None
+    bf16_first_layers: int = 0  # the first N transformer blocks keep all their linears in BF16
+    bf16_last_layers: int = 0  # and the last N
+    description: str = ""
+
+    @property
+    def fp8_generation(self) -> bool:
+        return self.generation is not None
+
+    @property
+    def fp8_training(self) -> bool:
+        return self.training is not None
+
+    def bf16_blocks(self, num_layers: int) -> list[int]:
+        """Indices of the blocks that stay BF16: the first and the last N (they may overlap)."""
+        first = range(min(self.bf16_first_layers, num_layers))
+        last = range(max(0, num_layers - self.bf16_last_layers), num_layers)
+        return sorted(set(first) | set(last))
+
+    def fp8_block(self, layer: int, num_layers: int) -> bool:
+        """Whether block `layer`'s linears are FP8-eligible (the engine's own side decides if they are FP8)."""
+        return layer not in self.bf16_blocks(num_layers)
+
+    def fp8_exclusions(self, num_layers: int) -> tuple[str, ...]:
+        """fnmatch patterns of module names that stay BF16: lm_head and every linear of the kept blocks."""
+        return ("lm_head", *(f"model.layers.{i}.*" for i in self.bf16_blocks(num_layers)))
+
+    def in_bf16(self) -> Recipe:
+        """Both engines in BF16 (the engine-neutral evaluation engine beside an FP8 arm)."""
+        return replace(RECIPES["bf16"], bf16_first_layers=self.bf16_first_layers,
+                       bf16_last_layers=self.bf16_last_layers)
 
 
+_FP8 = Quantization()
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("bf16", False, False, "baseline: BF16 generation and training"),
-        Recipe("fp8_gen", True, False, "candidate 1: FP8 linear layers in generation only"),
-        Recipe("fp8_e2e", True, True, "final: FP8 linear layers in generation and training (fwd + bwd)"),
+        Recipe("bf16", description="baseline: BF16 generation and training"),
+        Recipe("fp8_gen", generation=_FP8, description="candidate 1: FP8 linear layers in generation only"),
+        Recipe("fp8_e2e", generation=_FP8, training=_FP8,
+               description="final: FP8 linear layers in generation and training (fwd + bwd)"),
     )
 }
+BF16 = RECIPES["bf16"]
 
 
 def get_recipe(name: str) -> Recipe:
+    """The registry entry `name`, with default knobs; an unknown name lists the known ones."""
     try:
         return RECIPES[name]
     except KeyError:
         raise ValueError(f"recipe: unknown recipe {name!r}; valid: {', '.join(RECIPES)}") from None
+
+
+def resolve_recipe(name: str, knobs: Any = None) -> Recipe:
+    """Recipe `name` with the knobs of `knobs` (the run config's Fp8Spec, or any object with those
+    attributes): every Quantization field and the layer counts are copied by name."""
+    recipe = get_recipe(name)
+    if knobs is None:
+        return recipe
+    pick = lambda cls: {f.name: getattr(knobs, f.name) for f in fields(cls) if hasattr(knobs, f.name)}  # noqa: E731
+    quant = Quantization(**pick(Quantization))
+    layers = {k: v for k, v in pick(Recipe).items() if k in ("bf16_first_layers", "bf16_last_layers")}
+    return replace(recipe, generation=quant if recipe.fp8_generation else None,
+                   training=quant if recipe.fp8_training else None, **layers)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fp8rl_core.config.recipe import RECIPES
+from fp8rl_core.config.recipe import RECIPES, Recipe, resolve_recipe
 from fp8rl_core.config.schema import (
     ConfigError,
     build,
@@ -23,6 +23,7 @@ from fp8rl_core.config.schema import (
     stable_hash,
     to_dict,
 )
+from fp8rl_core.config.yaml_io import load_mapping_file, load_value
 
 ISVariant = Literal["none", "token", "tis", "icepop", "sequence"]
 
@@ -371,7 +372,6 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
 
     The file and the override values are read in fp8rl's one YAML dialect (fp8rl_core.config.yaml_io, as
     sweep files are): a duplicate key is an error at its line, `4:00:00` stays a string."""
-    from fp8rl_core.config.yaml_io import load_mapping_file, load_value
 
     where = str(path) if path else "defaults"
     data: dict[str, Any] = load_mapping_file(path) if path else {}
@@ -422,3 +422,8 @@ def _drop(data: dict[str, Any], key: str) -> None:
 def run_config_hash(cfg: RunConfig, length: int = 12) -> str:
     """Stable id of what a run computes (HASH_EXCLUDE removed)."""
     return stable_hash(hashed_dict(cfg), length)
+
+
+def recipe_of(cfg: RunConfig) -> Recipe:
+    """The run's recipe resolved once (fp8rl_core/config/recipe.py): what the engines are handed."""
+    return resolve_recipe(cfg.recipe, cfg.fp8)

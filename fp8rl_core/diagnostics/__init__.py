@@ -1,5 +1,6 @@
 """Mismatch diagnostics: the metric catalogue (catalogue.py), worst-token tables and saved rollouts
-(tokens.py, the run's hook), and the attribution replay `fp8rl-train explain` (explain.py)."""
+(tokens.py, the run's hook), and the attribution replay behind `fp8rl-train explain` (explain.py; its
+report and CLI are analysis/explain.py)."""
 from fp8rl_core.diagnostics.catalogue import (
     CATALOGUE_METRICS,
     TAIL_METRICS,

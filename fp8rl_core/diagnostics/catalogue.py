@@ -23,10 +23,11 @@ from collections.abc import Callable
 
 import torch
 
-from fp8rl_core.tracking import TAIL_FRACTIONS
+from fp8rl_core.algorithms.metrics import mult_prob_error_terms  # the one formula of the metric
+from fp8rl_core.tracking import M_MISMATCH, TAIL_FRACTIONS
 
 # --- metric names (MLflow keys; a later refactor moves them into fp8rl_core/tracking) -----------------
-M_TOKEN_MULT_PROB_ERROR = "token_mult_prob_error"  # NeMo RL: token_mult_prob_error (the study's Figure 1)
+M_TOKEN_MULT_PROB_ERROR = M_MISMATCH  # NeMo RL: token_mult_prob_error (the study's Figure 1)
 M_GEN_KL = "gen_kl_error"  # NeMo RL: gen_kl_error (k3 KL(gen || train))
 M_POLICY_KL = "policy_kl_error"  # NeMo RL: policy_kl_error (k3 KL(train || gen))
 M_JSD = "js_divergence_error"  # NeMo RL: js_divergence_error
@@ -65,11 +66,6 @@ SAFETY_BOUND = 20.0  # verl clamps log ratios to ±20 nats before exp in chi² (
 
 
 # --- per-token terms (pure, elementwise; d = train - gen) --------------------------------------------
-def mult_prob_error_terms(abs_d: torch.Tensor) -> torch.Tensor:
-    """exp(|d|): NeMo RL's token_mult_prob_error = (1/n) Σ_t exp(|train_t − gen_t|). 1 is a perfect match."""
-    return torch.exp(abs_d)
-
-
 def k3_terms(d: torch.Tensor) -> torch.Tensor:
     """exp(d) − d − 1 ≥ 0: the k3 estimate of KL(π_gen || π_train) at a token sampled from π_gen.
 

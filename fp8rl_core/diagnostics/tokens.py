@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
+from fp8rl_core.config.schema import to_dict
 from fp8rl_core.diagnostics.catalogue import all_reduce_sums, reduce_with, step_diagnostics
+from fp8rl_core.io.checkpoint import list_checkpoints
 
 WORST_TOKENS_FILE = "diagnostics/worst_tokens.jsonl"
 ROLLOUTS_DIR = "rollouts"
@@ -66,6 +68,7 @@ def worst_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
     # a stable descending sort: ties keep flat order, so the table is reproducible bit for bit
     order = torch.sort(score.flatten(), descending=True, stable=True).indices[:k]
     T = input_ids.shape[1]
+    eos = _eos_ids(tokenizer)
     rows = []
     for rank, flat in enumerate(order.tolist(), start=1):
         b, t = divmod(flat, T)
@@ -73,7 +76,7 @@ def worst_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
         first = int(m[b].nonzero()[0])
         tok = ids[t]
         text = tokenizer.decode([tok], stop_at_eos=False)
-        if tok == getattr(tokenizer, "eos_id", None):
+        if tok in eos:
             text = "<eos>"
         elif not text:
             text = f"<id {tok}>"
@@ -87,6 +90,13 @@ def worst_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, response
             "is_weight": float(is_weights[b, t]) if is_weights is not None else 1.0,
         })
     return rows
+
+
+def _eos_ids(tokenizer: Any) -> frozenset[int]:
+    """Every id that ends a turn, all shown as "<eos>": a model may have several (Llama-3.1-Instruct ends
+    a turn with <|eot_id|>, not <|end_of_text|>), and they decode to "" like any special token."""
+    ids = getattr(tokenizer, "eos_ids", None) or (getattr(tokenizer, "eos_id", None),)
+    return frozenset(i for i in ids if i is not None)
 
 
 def append_rows(path: Path, step: int, rows: list[dict[str, Any]]) -> None:
@@ -161,7 +171,6 @@ def _rank() -> int:
 def find_checkpoint(ckpt_dir: str | Path, step: int) -> Path | None:
     """The run's checkpoint of `step`, or None. The one adapter to fp8rl_core.io.checkpoint (whose storage
     format may change): its public `list_checkpoints`, folders named `step_XXXXXXXX`."""
-    from fp8rl_core.io.checkpoint import list_checkpoints
 
     for path in list_checkpoints(ckpt_dir):
         if path.name == f"step_{step:08d}":
@@ -188,8 +197,6 @@ def after_step(ctx: Any, sink: Any, step: int) -> None:
                             spec.context_tokens, step)
         append_rows(table, step, rows)
     if spec.save_rollouts and (step == 1 or find_checkpoint(out / "checkpoints", step - 1) is not None):
-        from fp8rl_core.config.schema import to_dict
-
         model_cfg = getattr(ctx.gen, "config", None)
         save_rollout(rollout_path(out, step), batch, step, step - 1, to_dict(cfg),
                      model_cfg.to_hf_dict() if hasattr(model_cfg, "to_hf_dict") else {})

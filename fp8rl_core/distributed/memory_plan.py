@@ -67,6 +67,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fp8rl_core.config import recipe_of
+from fp8rl_core.model.config import PRESETS, ModelConfig
+from fp8rl_core.model.llama import CausalLM
+
 GiB = 2**30
 
 
@@ -141,7 +145,6 @@ class MemoryPlan:
 
 def load_model_config(source: Any) -> Any:
     """A ModelConfig from a ModelConfig, an HF config dict, a config.json path or a checkpoint folder."""
-    from fp8rl_core.model.config import ModelConfig
 
     if isinstance(source, ModelConfig):
         return source
@@ -160,10 +163,8 @@ def count_parameters(cfg: Any) -> ParamCounts:
 def _count(cfg_json: str) -> ParamCounts:
     import torch
 
-    from fp8rl_core.model.config import ModelConfig
 
     cfg = ModelConfig(**json.loads(cfg_json))
-    from fp8rl_core.model.llama import CausalLM
 
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -284,9 +285,8 @@ def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
 def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: str | None = None) -> Layout:
     """The Layout of a RunConfig (fp8rl_core/config/run_config.py) at `world_size` ranks. prompt_tokens: the
     longest prompt (the config does not know it; 64 covers the arithmetic task's prompts)."""
-    from fp8rl_core.config.recipe import get_recipe
 
-    recipe = get_recipe(cfg.recipe)
+    recipe = recipe_of(cfg)
     par = getattr(cfg, "parallel", None)
     vllm = cfg.engines.vllm
     return Layout(vllm=cfg.engines.generation == "vllm", vllm_max_model_len=vllm.max_model_len or 0,
@@ -310,7 +310,6 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
 def plan_for_run(cfg: Any, world_size: int = 1, prompt_tokens: int = 64, device: str | None = None) -> MemoryPlan:
     """The memory plan of a RunConfig: the model from `model.path`'s config.json, else its preset.
     For `sweep plan`: `check(plan_for_run(cell_cfg, nodes * tasks_per_node), gpu_mem_bytes)`."""
-    from fp8rl_core.model.config import PRESETS
 
     source = Path(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset]
     return plan_memory(source, layout_for_run(cfg, world_size, prompt_tokens, device))

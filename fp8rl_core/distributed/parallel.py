@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fp8rl_core.distributed.mesh import Mesh
+from fp8rl_core.fp8.linear import Fp8Linear
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
@@ -71,7 +72,6 @@ def _no_weight_cache(model: nn.Module) -> None:
     resharding exists to avoid; each re-gather would miss the cache anyway), so sharded layers quantize
     per forward instead (same bits). Without resharding the weights stay gathered for the step and
     every layer's Q(W) is alive from its forward to its backward anyway: keeping it costs no peak."""
-    from fp8rl_core.fp8.linear import Fp8Linear
 
     for m in model.modules():
         if isinstance(m, Fp8Linear):

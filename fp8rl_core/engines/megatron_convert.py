@@ -36,8 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core.config import Fp8Spec
-from fp8rl_core.config.recipe import get_recipe
+from fp8rl_core.config.recipe import BF16, Recipe
 from fp8rl_core.model.config import ModelConfig
 
 FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"  # TE reads it when transformer_engine is imported
@@ -59,8 +58,7 @@ def _check_supported(cfg: ModelConfig) -> None:
                          "valid: false for llama, or model_type qwen2 (q/k/v bias only)")
 
 
-def transformer_config_kwargs(cfg: ModelConfig | Mapping[str, Any], recipe: str = "bf16",
-                              fp8: Fp8Spec | None = None) -> dict[str, Any]:
+def transformer_config_kwargs(cfg: ModelConfig | Mapping[str, Any], recipe: Recipe = BF16) -> dict[str, Any]:
     """kwargs of megatron.core TransformerConfig for our architecture and a recipe's training precision.
 
     Architecture: pre-norm RMSNorm (eps), SwiGLU (gated_linear_unit + silu), GQA
@@ -70,7 +68,7 @@ def transformer_config_kwargs(cfg: ModelConfig | Mapping[str, Any], recipe: str 
     trainer has none of them either.
     Precision: a recipe with fp8_training (fp8_e2e) -> fp8="e4m3", fp8_recipe="blockwise" (TE's
     Float8BlockScaling: [1,128] activations/gradients, [128,128] weights, FP32 scales), weights kept
-    in high precision (fp8_param False) and wgrad in FP8 too; Fp8Spec's bf16_first/last_layers map
+    in high precision (fp8_param False) and wgrad in FP8 too; the recipe's bf16_first/last_layers map
     to first_last_layers_bf16. Other recipes train in BF16: no fp8 keys at all.
     """
     cfg = as_model_config(cfg)
@@ -85,12 +83,11 @@ def transformer_config_kwargs(cfg: ModelConfig | Mapping[str, Any], recipe: str 
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         params_dtype=torch.float32,  # FP32 master weights, BF16 compute under autocast (as the native trainer)
     )
-    if get_recipe(recipe).fp8_training:
-        spec = fp8 or Fp8Spec()
+    if recipe.fp8_training:
         kw.update(fp8="e4m3", fp8_recipe="blockwise", fp8_param=False, fp8_wgrad=True)
-        if spec.bf16_first_layers or spec.bf16_last_layers:
-            kw.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=spec.bf16_first_layers,
-                      num_layers_at_end_in_bf16=spec.bf16_last_layers)
+        if recipe.bf16_first_layers or recipe.bf16_last_layers:
+            kw.update(first_last_layers_bf16=True, num_layers_at_start_in_bf16=recipe.bf16_first_layers,
+                      num_layers_at_end_in_bf16=recipe.bf16_last_layers)
     return kw
 
 
@@ -135,15 +132,15 @@ def rope_scaling_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return {"rope_scaling": True, "rope_scaling_factor": float(sc["factor"])}
 
 
-def fp8_env(recipe: str, fp8: Fp8Spec | None = None) -> dict[str, str]:
+def fp8_env(recipe: Recipe) -> dict[str, str]:
     """Environment for Transformer Engine, to set before it is imported.
 
     FP8 training: NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 (FP32 scales = amax / 448, as our Table 1 and
-    NeMo RL), or 0 with Fp8Spec.power_of_two_scales (TE's default: scales rounded to 2^k). BF16: {}.
+    NeMo RL), or 0 with the recipe's power_of_two_scales (TE's default: scales rounded to 2^k). BF16: {}.
     """
-    if not get_recipe(recipe).fp8_training:
+    if recipe.training is None:
         return {}
-    return {FP32_SCALES_ENV: "0" if (fp8 or Fp8Spec()).power_of_two_scales else "1"}
+    return {FP32_SCALES_ENV: "0" if recipe.training.power_of_two_scales else "1"}
 
 
 # ---- fused QKV / gate-up layout -------------------------------------------------------------------

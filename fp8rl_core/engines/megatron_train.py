@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8rl_core.config import Fp8Spec, MegatronSpec, RunConfig
-from fp8rl_core.config.recipe import get_recipe
+from fp8rl_core.config import LossSpec, MegatronSpec, OptimSpec
+from fp8rl_core.config.recipe import BF16, Quantization, Recipe
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.megatron_convert import (
     FP32_SCALES_ENV,
@@ -153,7 +153,7 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def build_gpt_model(model_cfg: ModelConfig, recipe: str = "bf16", fp8: Fp8Spec | None = None, *,
+def build_gpt_model(model_cfg: ModelConfig, recipe: Recipe = BF16, *,
                     use_te: bool = True, device: str = "cuda", parallel: MegatronSpec | None = None) -> nn.Module:
     """An uninitialized GPTModel of our architecture (weights to be loaded), FP32 parameters.
 
@@ -167,10 +167,10 @@ def build_gpt_model(model_cfg: ModelConfig, recipe: str = "bf16", fp8: Fp8Spec |
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    kw = {**transformer_config_kwargs(model_cfg, recipe, fp8),
+    kw = {**transformer_config_kwargs(model_cfg, recipe),
           **transformer_parallel_kwargs(parallel or MegatronSpec())}
     if kw.get("fp8") and not use_te:
-        raise ValueError(f"recipe {recipe!r}: FP8 training needs the Transformer Engine layer spec (use_te=True)")
+        raise ValueError(f"recipe {recipe.name!r}: FP8 training needs the Transformer Engine layer spec (use_te=True)")
     config = TransformerConfig(**kw, use_cpu_initialization=device == "cpu", perform_initialization=False)
     spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
@@ -222,7 +222,7 @@ def uses_te_norms(gpt: nn.Module) -> bool:
     return any(k.endswith("linear_qkv.layer_norm_weight") for k, _ in gpt.named_parameters())
 
 
-def _check_te_scales(fp8: Fp8Spec) -> None:
+def _check_te_scales(fp8: Quantization) -> None:
     """TE's blockwise recipe must quantize with the scales we asked for (the env var is read at import)."""
     from transformer_engine.common.recipe import Float8BlockScaling
 
@@ -247,47 +247,48 @@ def _to_host(obj: Any) -> Any:
 class MegatronTrainingEngine:
     """TrainingEngine (fp8rl_core/engines/base.py) on Megatron-Core's GPTModel.
 
-    cfg:  the run config (recipe, fp8, loss, optim, rollout.temperature, model.dtype, seed).
     path: a local HF checkpoint folder (config.json + safetensors), loaded with our loader.
+    recipe: its `training` side runs in TE's FP8 layers; megatron: engines.megatron (parallel layout,
+    padding); loss, optim, temperature, compute_dtype: as NativeTrainingEngine's; seed: Megatron's RNG.
     Weights in and out use HF names (weights(), state_dict()["model"]), so a checkpoint is portable.
     """
 
-    def __init__(self, cfg: RunConfig, path: str | Path) -> None:
-        recipe = get_recipe(cfg.recipe)
+    def __init__(self, path: str | Path, *, recipe: Recipe, megatron: MegatronSpec, loss: LossSpec,
+                 optim: OptimSpec, temperature: float, compute_dtype: torch.dtype, seed: int) -> None:
         require_megatron(recipe.fp8_training)
-        apply_env(fp8_env(cfg.recipe, cfg.fp8))  # before anything imports transformer_engine
+        apply_env(fp8_env(recipe))  # before anything imports transformer_engine
         from fp8rl_core.model.hf_io import load_pretrained, read_model_config
 
         model_cfg = read_model_config(Path(path))
         _, world, local_rank = init_distributed("nccl")
-        check_layout(cfg.engines.megatron, world, model_cfg)
+        check_layout(megatron, world, model_cfg)
         torch.cuda.set_device(local_rank)
-        init_model_parallel(cfg.seed, cfg.engines.megatron)
-        if recipe.fp8_training:
-            _check_te_scales(cfg.fp8)
-        gpt = build_gpt_model(model_cfg, cfg.recipe, cfg.fp8, use_te=te_available(), device="cuda",
-                              parallel=cfg.engines.megatron)
+        init_model_parallel(seed, megatron)
+        if recipe.training is not None:
+            _check_te_scales(recipe.training)
+        gpt = build_gpt_model(model_cfg, recipe, use_te=te_available(), device="cuda", parallel=megatron)
         hf_state = load_pretrained(Path(path), dtype=torch.float32).state_dict()
-        self._attach(gpt, model_cfg, hf_state, cfg)
+        self._attach(gpt, model_cfg, hf_state, recipe=recipe, megatron=megatron, loss=loss, optim=optim,
+                     temperature=temperature, compute_dtype=compute_dtype)
 
     @classmethod
     def from_gpt_model(cls, gpt: nn.Module, model_cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor],
-                       cfg: RunConfig) -> MegatronTrainingEngine:
-        """Wrap an already built GPTModel (any device), loading `hf_state` into it; no environment checks."""
+                       **engine_args: Any) -> MegatronTrainingEngine:
+        """Wrap an already built GPTModel (any device), loading `hf_state` into it; no environment checks.
+        engine_args: recipe, megatron, loss, optim, temperature, compute_dtype (as __init__)."""
         engine = cls.__new__(cls)
-        engine._attach(gpt, model_cfg, hf_state, cfg)
+        engine._attach(gpt, model_cfg, hf_state, **engine_args)
         return engine
 
-    def _attach(self, gpt: nn.Module, model_cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor],
-                cfg: RunConfig) -> None:
+    def _attach(self, gpt: nn.Module, model_cfg: ModelConfig, hf_state: Mapping[str, torch.Tensor], *,
+                recipe: Recipe, megatron: MegatronSpec, loss: LossSpec, optim: OptimSpec, temperature: float,
+                compute_dtype: torch.dtype) -> None:
         load_megatron_state(gpt, hf_to_megatron(hf_state, model_cfg, te_fused_norms=uses_te_norms(gpt)))
         self.gpt, self.model_config = gpt, model_cfg
         # FP8 runs inside TE's layers (TransformerConfig.fp8), so the shared engine does no Fp8Linear swap.
-        pad_to = cfg.engines.megatron.pad_tokens_to if get_recipe(cfg.recipe).fp8_training else 1
-        self.inner = NativeTrainingEngine(
-            GPTAsCausalLM(gpt, pad_to), fp8_training=False, loss=cfg.loss, optim=cfg.optim,
-            temperature=cfg.rollout.temperature,
-            compute_dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32)
+        pad_to = megatron.pad_tokens_to if recipe.fp8_training else 1
+        self.inner = NativeTrainingEngine(GPTAsCausalLM(gpt, pad_to), loss=loss, optim=optim,
+                                          temperature=temperature, compute_dtype=compute_dtype)
 
     @property
     def step(self) -> int:

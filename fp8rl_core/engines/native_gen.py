@@ -17,10 +17,11 @@ runs the same math as HF Llama/Qwen2 with the kernels an inference engine uses, 
   position goes through the LM head. A prompt's results do not depend on its batch-mates beyond GEMM
   blocking numerics.
 
-FP8 (fp8=True): every linear of the transformer blocks (except the first/last N blocks kept in the
-dtype, Fp8Spec.bf16_first_layers / bf16_last_layers) is quantized [128, 128] once per refit from the
-engine's dtype copy (as vLLM quantizes the BF16 tensors it is sent), and its activations [1, 128] per
-call (fp8rl_core.fp8.fp8_linear). Embeddings, norms, attention and the LM head stay in the dtype.
+FP8 (a recipe whose `generation` side is set, fp8rl_core/config/recipe.py): every linear of the
+transformer blocks (except the first/last N blocks the recipe keeps in the dtype) is quantized
+[128, 128] once per refit from the engine's dtype copy (as vLLM quantizes the BF16 tensors it is
+sent), and its activations [1, 128] per call (fp8rl_core.fp8.fp8_linear). Embeddings, norms,
+attention and the LM head stay in the dtype.
 Fused weights are quantized as one matrix, but each shard (q, k, v / gate, up) is first zero-padded to
 a multiple of 128 rows: a [128, 128] block then never straddles two projections, so the fused
 quantization equals per-projection quantization exactly (what HF block-FP8 checkpoints store and what
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config.recipe import BF16, Quantization, Recipe
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.kv_cache import KVCache, decode_attention, group_prompts, prefill_attention
 from fp8rl_core.engines.sampling import sample_next, tempered, validate_sampling
@@ -107,7 +108,7 @@ class Block:
     down: FusedLinear
 
 
-def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spec: Fp8Spec | None,
+def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spec: Quantization | None,
                 emulate_bf16: bool = False) -> FusedLinear:
     """Concatenate [N_i, K] weights along N (biases likewise); quantize when spec is given (FP8 layer).
 
@@ -171,20 +172,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 class NativeGenerationEngine:
     """GenerationEngine (fp8rl_core/engines/base.py) with a KV cache and inference-style kernels.
 
-    config: the architecture; fp8: quantize block linears (FP8 recipes); fp8_spec: power-of-two scales,
-    first/last blocks kept in `dtype`, finiteness checks; dtype: dtype of the weight copy, activations,
+    config: the architecture; recipe: its `generation` side quantizes the block linears (None: all in
+    `dtype`), its kept first/last blocks stay in `dtype`; dtype: dtype of the weight copy, activations,
     KV cache and logits (BF16; FP32 for tests); seed: seeds the engine's sampling generator;
     emulate_bf16: run every BF16 matrix product (linears, attention, LM head) as FP32 on the upcast
     operands, rounded to BF16 (model.bf16_compute: emulated; fp8rl_core/model/bf16.py).
     """
 
-    def __init__(self, config: ModelConfig, *, fp8: bool = False, fp8_spec: Fp8Spec | None = None,
-                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu", seed: int = 0,
-                 emulate_bf16: bool = False) -> None:
-        self.config, self.fp8, self.dtype = config, fp8, dtype
+    def __init__(self, config: ModelConfig, *, recipe: Recipe = BF16, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", seed: int = 0, emulate_bf16: bool = False) -> None:
+        self.config, self.recipe, self.dtype = config, recipe, dtype
+        self.fp8 = recipe.fp8_generation
         self.emulate_bf16 = bool(emulate_bf16) and dtype == torch.bfloat16
-        self.fp8_spec = fp8_spec if fp8_spec is not None else Fp8Spec()
-        self.fp8_spec.validate()
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.blocks: list[Block] = []
@@ -199,8 +198,7 @@ class NativeGenerationEngine:
     # ---- weights -------------------------------------------------------------------------------
     def is_fp8_block(self, layer: int) -> bool:
         """True when block `layer`'s linears run in FP8 (fp8 on, and not among the first/last kept ones)."""
-        n, spec = self.config.num_hidden_layers, self.fp8_spec
-        return self.fp8 and spec.bf16_first_layers <= layer < n - spec.bf16_last_layers
+        return self.fp8 and self.recipe.fp8_block(layer, self.config.num_hidden_layers)
 
     @torch.no_grad()
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -221,7 +219,7 @@ class NativeGenerationEngine:
         blocks = []
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
-            spec = self.fp8_spec if self.is_fp8_block(i) else None
+            spec = self.recipe.generation if self.is_fp8_block(i) else None
             fuse = lambda mats, biases, spec=spec: fuse_linear(mats, biases, spec, self.emulate_bf16)  # noqa: E731
             attn, mlp = [p + f"self_attn.{n}_proj." for n in "qkv"], [p + f"mlp.{n}_proj." for n in ("gate", "up")]
             blocks.append(Block(

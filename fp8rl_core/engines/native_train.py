@@ -3,7 +3,7 @@
 Plays Megatron-Core's part (docs/design.md "The two engines"): training-style kernels (fp8rl_core/model/
 layers.py), parameters and optimizer state in FP32, compute in BF16 through `torch.autocast` (BF16
 recipe) or through `Fp8Linear` forward and backward for `fp8_e2e` (the linear layers except lm_head
-and the Fp8Spec's kept blocks; embeddings, norms, attention and the head stay BF16 under autocast).
+and the recipe's kept blocks; embeddings, norms, attention and the head stay BF16 under autocast).
 
 Log-probabilities: lp[b, t] = log_softmax(logits[b, t-1] / temperature)[input_ids[b, t]], in FP32,
 0 at t = 0 and wherever response_mask is False: the distribution the generation engine samples from
@@ -27,8 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl_core.algorithms import grpo
-from fp8rl_core.config import Fp8Spec, LossSpec, OptimSpec
+from fp8rl_core.config import LossSpec, OptimSpec
+from fp8rl_core.config.recipe import BF16, Recipe
+from fp8rl_core.distributed import parallel
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
+from fp8rl_core.distributed.parallel import GatheredWeights, shard_model
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.model.bf16 import emulate_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
@@ -84,11 +87,12 @@ class NativeTrainingEngine:
     """TrainingEngine (fp8rl_core/engines/base.py) on our CausalLM.
 
     model:        the policy with FP32 parameters (the master weights), on the device to train on;
-                  with fp8_training its linear layers are swapped for Fp8Linear in place.
+    recipe:       what it quantizes (fp8rl_core/config/recipe.py): with a `training` side its linear layers
+                  (but the kept blocks and lm_head) are swapped for Fp8Linear in place.
     compute_dtype: torch.bfloat16 (autocast) or torch.float32 (no autocast; for tests).
     emulate_bf16: the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
                   BF16 operands and round to BF16 (model.bf16_compute: emulated; model/bf16.py).
-    fp8_spec.quantize_from: "bf16" quantizes the BF16 rounding of each master weight (what the
+    recipe.training.quantize_from: "bf16" quantizes the BF16 rounding of each master weight (what the
                   generation engine quantizes), "master" the FP32 master itself.
     optim:        AdamW(lr, betas, eps, weight_decay on every parameter), grad_clip (<= 0: off).
     mesh:         ranks to shard over with FSDP2 (None / world size 1: unsharded, no collectives).
@@ -105,8 +109,8 @@ class NativeTrainingEngine:
     One `train_step` is one optimizer step; the caller splits a rollout batch into micro-steps.
     """
 
-    def __init__(self, model: CausalLM, *, fp8_training: bool = False, fp8_spec: Fp8Spec | None = None,
-                 loss: LossSpec | None = None, optim: OptimSpec | None = None, temperature: float = 1.0,
+    def __init__(self, model: CausalLM, *, recipe: Recipe = BF16, loss: LossSpec | None = None,
+                 optim: OptimSpec | None = None, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
@@ -122,7 +126,7 @@ class NativeTrainingEngine:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.model, self.temperature, self.compute_dtype = model, float(temperature), compute_dtype
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
-        self.fp8_modules = apply_fp8(model, fp8_spec or Fp8Spec(), compute_dtype) if fp8_training else []
+        self.fp8_modules = apply_fp8(model, recipe, compute_dtype) if recipe.fp8_training else []
         self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
         if self.emulate_bf16:
             emulate_bf16_matmuls(model)
@@ -305,8 +309,6 @@ class NativeTrainingEngine:
         Sharded: a GatheredWeights mapping that all-gathers one tensor per read (refit layer by layer;
         every rank must read the same keys in the same order)."""
         if self.mesh.distributed:
-            from fp8rl_core.distributed.parallel import GatheredWeights
-
             return GatheredWeights(self.model)
         return dict(self.model.state_dict())
 
@@ -327,8 +329,6 @@ def _parallelize(model: torch.nn.Module, mesh: Mesh, cpu_offload: bool, activati
     """Activation checkpointing, then FSDP2 over the mesh (world size > 1); nothing at world size 1
     (cpu_offload then only applies to the reference policy, fp8rl_core/engines/native_train.py)."""
     if activation_checkpointing or mesh.distributed:
-        from fp8rl_core.distributed import parallel
-
         if activation_checkpointing:
             parallel.apply_activation_checkpointing(model)
         if mesh.distributed:
@@ -363,21 +363,19 @@ class ReferencePolicy:
     stays on the CPU and visits the GPU for each pass.
     """
 
-    def __init__(self, model: CausalLM, *, device: torch.device | str, fp8: bool = False,
-                 fp8_spec: Fp8Spec | None = None, temperature: float = 1.0,
+    def __init__(self, model: CausalLM, *, device: torch.device | str, recipe: Recipe = BF16,
+                 temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None,
                  logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False) -> None:
         model.requires_grad_(False).eval()
-        if fp8:
-            apply_fp8(model, fp8_spec or Fp8Spec(), compute_dtype)
+        if recipe.fp8_training:
+            apply_fp8(model, recipe, compute_dtype)
         if emulate_bf16 and compute_dtype == torch.bfloat16:
             emulate_bf16_matmuls(model)
         self.mesh, self.device = mesh or SINGLE, torch.device(device)
         self.offload = cpu_offload and not self.mesh.distributed and self.device.type != "cpu"
         self.model = model.to("cpu" if self.offload else self.device)
         if self.mesh.distributed:
-            from fp8rl_core.distributed.parallel import shard_model
-
             shard_model(model, self.mesh, cpu_offload=cpu_offload, sum_gradients=False)
         self.temperature, self.compute_dtype = float(temperature), compute_dtype
         self.logprob_batch_size = int(logprob_batch_size)

@@ -8,12 +8,12 @@ vllm_gen.py calls vLLM; this file decides what to send it and reads back what it
 - `fp8_quantization_config` / `llm_kwargs`: the `vllm.LLM(...)` arguments. FP8 recipes load a blockwise
   FP8 checkpoint and override its config with NeMo RL's quantization_config
   {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}, plus
-  `ignored_layers` (HF module names) for the blocks Fp8Spec keeps in BF16 (vLLM skips a fused layer
+  `ignored_layers` (HF module names) for the blocks the recipe keeps in BF16 (vLLM skips a fused layer
   when all of its shards are listed);
 - `write_checkpoint`: the trainer's weights as an HF folder (hf_io.save_pretrained, "fp8_block" for FP8);
 - `refit_tensors`: the checkpoint-format tensors of one refit: every FP8 linear as E4M3 `weight` +
   FP32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] from our `quantize_blockwise` (so power-of-two
-  scales and finiteness checks follow Fp8Spec), everything else in the engine dtype;
+  scales and finiteness checks follow the recipe's Quantization), everything else in the engine dtype;
 - `choose_refit_method`: which vLLM weight-loading entry point the installed version offers;
 - `sampling_kwargs` / `request_seeds`: our SamplingParams as `vllm.SamplingParams` keyword arguments,
   one seed per request drawn from the engine's generator;
@@ -37,18 +37,19 @@ from typing import Any
 
 import torch
 
-from fp8rl_core.config import Fp8Spec, VllmSpec
+from fp8rl_core.config import VllmSpec
+from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.native_gen import check_state_dict, expected_shapes
+from fp8rl_core.fp8 import quantize_blockwise
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.model.fp8_policy import bf16_blocks
-from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG
+from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG, save_pretrained
+from fp8rl_core.model.llama import CausalLM
 
 INSTALL_HINT = "pip install 'fp8rl[vllm]'"
 FP8_QUANT_CONFIG = FP8_BLOCK_CONFIG  # NeMo RL's hf_overrides for vLLM: the checkpoint's own config
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-REFIT_METHODS = ("reload_weights", "load_weights")
 PROCESSED = "processed_logprobs"
 
 
@@ -127,23 +128,23 @@ def free_memory_error(free: int, total: int, spec: VllmSpec) -> str | None:
             "more ranks / parallel.cpu_offload so that the trainer holds less")
 
 
-def fp8_weight_names(config: ModelConfig, spec: Fp8Spec) -> list[str]:
+def fp8_weight_names(config: ModelConfig, recipe: Recipe) -> list[str]:
     """HF names of the linear weights that are FP8 (every block linear except the kept blocks; never lm_head)."""
-    kept = set(bf16_blocks(config, spec))
+    kept = set(recipe.bf16_blocks(config.num_hidden_layers))
     return [f"model.layers.{i}.{lin}.weight" for i in range(config.num_hidden_layers) if i not in kept
             for lin in LINEARS]
 
 
-def fp8_quantization_config(config: ModelConfig, spec: Fp8Spec) -> dict[str, Any]:
+def fp8_quantization_config(config: ModelConfig, recipe: Recipe) -> dict[str, Any]:
     """The `hf_overrides={"quantization_config": ...}` dict of an FP8 recipe (NeMo RL's, + ignored_layers)."""
     q: dict[str, Any] = dict(FP8_QUANT_CONFIG)
-    ignored = [f"model.layers.{i}.{lin}" for i in bf16_blocks(config, spec) for lin in LINEARS]
+    ignored = [f"model.layers.{i}.{lin}" for i in recipe.bf16_blocks(config.num_hidden_layers) for lin in LINEARS]
     if ignored:
         q["ignored_layers"] = ignored
     return q
 
 
-def llm_kwargs(model_path: str | Path, config: ModelConfig, *, fp8: bool, spec: Fp8Spec, dtype: str,
+def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, dtype: str,
                seed: int, vllm: VllmSpec, max_model_len: int, supported: Iterable[str]) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for our checkpoint folder.
 
@@ -154,7 +155,7 @@ def llm_kwargs(model_path: str | Path, config: ModelConfig, *, fp8: bool, spec: 
     arrive as token ids and the EOS ids are stop token ids. Sleep mode (engines.vllm.sleep_between_steps):
     enable_sleep_mode=True, so that the engine can give its GPU memory back while the trainer runs.
     """
-    supported = set(supported)
+    supported, fp8 = set(supported), recipe.fp8_generation
     if fp8 and dtype not in HALF_DTYPES:
         raise ValueError(f"model.dtype: vLLM's FP8 method runs {' / '.join(HALF_DTYPES)} activations only, got "
                          f"{dtype!r}; valid: bf16, or engines.generation=native")
@@ -177,21 +178,18 @@ def llm_kwargs(model_path: str | Path, config: ModelConfig, *, fp8: bool, spec: 
         kw[name] = value
     if fp8:
         kw["quantization"] = "fp8"
-        kw["hf_overrides"] = {"quantization_config": fp8_quantization_config(config, spec)}
+        kw["hf_overrides"] = {"quantization_config": fp8_quantization_config(config, recipe)}
     if "logprobs_mode" in supported:
         kw["logprobs_mode"] = PROCESSED
     return kw
 
 
 def write_checkpoint(weights: Mapping[str, torch.Tensor], config: ModelConfig, folder: str | Path, *,
-                     fp8: bool, spec: Fp8Spec, dtype: torch.dtype = torch.bfloat16) -> Path:
+                     recipe: Recipe, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Save HF-named weights as a checkpoint folder vLLM can start from (hf_io.save_pretrained).
 
     FP8: every linear of fp8_weight_names as E4M3 + weight_scale_inv [128, 128] blocks, the rest in `dtype`.
     """
-    from fp8rl_core.model.fp8_policy import fp8_exclusions
-    from fp8rl_core.model.hf_io import save_pretrained
-    from fp8rl_core.model.llama import CausalLM
 
     check_state_dict(weights, expected_shapes(config), config.tie_word_embeddings)
     with torch.device("meta"):
@@ -202,26 +200,27 @@ def write_checkpoint(weights: Mapping[str, torch.Tensor], config: ModelConfig, f
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()
-    return save_pretrained(model, folder, quantization="fp8_block" if fp8 else None,
-                           ignore=fp8_exclusions(config, spec), dtype=dtype)
+    return save_pretrained(model, folder, quantization="fp8_block" if recipe.fp8_generation else None,
+                           ignore=recipe.fp8_exclusions(config.num_hidden_layers), dtype=dtype)
 
 
 # ---- refit ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, spec: Fp8Spec | None,
+def refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, recipe: Recipe,
                   dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of one refit, in checkpoint format and the trainer's order (layer by layer,
-    which vLLM's layerwise reload wants). spec None: no FP8 (every tensor cast to `dtype`).
+    which vLLM's layerwise reload wants). A recipe without a generation side: no FP8 (every tensor
+    cast to `dtype`).
 
     An FP8 linear W [out, in] becomes (name, q E4M3 [out, in]) and (name + "_scale_inv", s FP32
     [ceil(out/128), ceil(in/128)]) with W.to(dtype) ~= q * s per [128, 128] block, quantized from the
     dtype copy (what vLLM would be sent); tensors stay on their device. A tied lm_head is left out.
     """
-    from fp8rl_core.fp8 import quantize_blockwise
 
     expected = expected_shapes(config)
     check_state_dict(weights, expected, config.tie_word_embeddings)
-    fp8_names = set(fp8_weight_names(config, spec)) if spec is not None else set()
+    spec = recipe.generation
+    fp8_names = set(fp8_weight_names(config, recipe)) if spec is not None else set()
     pairs: list[tuple[str, torch.Tensor]] = []
     for name, tensor in weights.items():
         if name not in expected:

@@ -11,7 +11,7 @@ What it does (the pure decisions live in vllm_convert.py, tested on a CPU):
    as an hf_override and logprobs_mode="processed_logprobs" where vLLM has it;
 3) every later `refit` loads the new weights into the running engine, no restart: checkpoint-format
    tensors (FP8 linears quantized here with our `quantize_blockwise`, so power-of-two scales follow
-   Fp8Spec) go through the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`
+   the recipe) go through the worker's `reload_weights(weights_iterator=..., is_checkpoint_format=True)`
    where the installed vLLM has it (required for FP8), else `model.load_weights` (BF16); then the
    prefix cache is reset, since cached KV blocks were computed with the old weights;
 4) `generate` sends token-id prompts with one seeded vllm.SamplingParams per request (seeds drawn
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from fp8rl_core.config import RunConfig
-from fp8rl_core.config.recipe import get_recipe
+from fp8rl_core.config import VllmSpec
+from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.sampling import validate_sampling
@@ -82,24 +82,26 @@ def _load_weights(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> None:
 class VllmGenerationEngine:
     """GenerationEngine (fp8rl_core/engines/base.py) backed by vllm.LLM on one CUDA GPU.
 
-    cfg: the run config (recipe -> FP8 or not, fp8 spec, model.dtype, seed, output_dir);
-    model_config: the policy's architecture (names and shapes of the weights refit receives).
+    model_config: the policy's architecture (names and shapes of the weights refit receives);
+    recipe: its `generation` side quantizes (fp8rl_core/config/recipe.py); dtype: model.dtype's;
+    vllm: the run config's engines.vllm; seed: sampling seed; max_new_tokens: the rollout's bound;
+    output_dir: where refit checkpoints go; tokenizer, task: the run's (the longest prompt bounds the
+    KV cache when engines.vllm.max_model_len is unset).
     """
 
-    def __init__(self, cfg: RunConfig, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, *, recipe: Recipe, dtype: torch.dtype, vllm: VllmSpec,
+                 seed: int, max_new_tokens: int, output_dir: str | Path, tokenizer: Any, task: Any) -> None:
         require_vllm()
-        self.cfg, self.config = cfg, model_config  # every EOS id already merged (hf_io.read_model_config)
-        self.fp8 = get_recipe(cfg.recipe).fp8_generation
-        self.fp8_spec = cfg.fp8
-        self.fp8_spec.validate()
-        self.dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+        self.config = model_config  # every EOS id already merged (hf_io.read_model_config)
+        self.recipe, self.fp8, self.dtype = recipe, recipe.fp8_generation, dtype
         if self.fp8 and self.dtype != torch.bfloat16:
-            raise ValueError(f"model.dtype: recipe {cfg.recipe!r} generates in FP8 with vLLM, whose FP8 method "
+            raise ValueError(f"model.dtype: recipe {recipe.name!r} generates in FP8 with vLLM, whose FP8 method "
                              "runs BF16/FP16 activations only; valid: bf16, or engines.generation=native")
-        self.spec = cfg.engines.vllm
+        self.spec, self.seed, self.max_new_tokens = vllm, seed, max_new_tokens
+        self.tokenizer, self.task = tokenizer, task
         conv.warn_deprecated_env()
-        self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.checkpoint_dir = Path(cfg.output_dir) / "vllm_checkpoint"
+        self.generator = torch.Generator().manual_seed(seed)
+        self.checkpoint_dir = Path(output_dir) / "vllm_checkpoint"
         self.llm: Any = None
         self.logprobs_mode = "raw_logprobs"
         self.refit_method: str | None = None
@@ -140,14 +142,13 @@ class VllmGenerationEngine:
         self._wake("weights")
         if self.llm is None:
             self._launch(self._write_checkpoint(weights))
-            if self.fp8 and self.fp8_spec.power_of_two_scales:
+            if self.fp8 and self.recipe.generation.power_of_two_scales:
                 self._reload(weights)  # the checkpoint's scales are plain amax/448 ones
             return
         self._reload(weights)
 
     def _write_checkpoint(self, weights: Mapping[str, torch.Tensor]) -> Path:
-        return conv.write_checkpoint(weights, self.config, self.checkpoint_dir, fp8=self.fp8,
-                                     spec=self.fp8_spec, dtype=self.dtype)
+        return conv.write_checkpoint(weights, self.config, self.checkpoint_dir, recipe=self.recipe, dtype=self.dtype)
 
     def _launch(self, path: Path) -> None:
         """vllm.LLM on the checkpoint folder `path`, after the free-memory check."""
@@ -157,10 +158,10 @@ class VllmGenerationEngine:
         supported = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
         self.max_model_len = conv.resolve_max_model_len(
             self.spec, self._longest_prompt() if self.spec.max_model_len is None else 0,
-            self.cfg.rollout.max_new_tokens, self.config.max_position_embeddings)
-        kwargs = conv.llm_kwargs(path, self.config, fp8=self.fp8, spec=self.fp8_spec,
+            self.max_new_tokens, self.config.max_position_embeddings)
+        kwargs = conv.llm_kwargs(path, self.config, recipe=self.recipe,
                                  dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32",
-                                 seed=self.cfg.seed, vllm=self.spec, max_model_len=self.max_model_len,
+                                 seed=self.seed, vllm=self.spec, max_model_len=self.max_model_len,
                                  supported=supported)
         self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
         if torch.cuda.is_available():
@@ -174,10 +175,7 @@ class VllmGenerationEngine:
 
     def _longest_prompt(self) -> int:
         """Tokens of the longest prompt of the run's task (the KV bound's default; vllm_convert.py)."""
-        from fp8rl_core.loop.builder import load_tokenizer
-        from fp8rl_core.tasks import make_task
-
-        return conv.longest_prompt_tokens(make_task(self.cfg.task), load_tokenizer(self.cfg))
+        return conv.longest_prompt_tokens(self.task, self.tokenizer)
 
     # ---- colocation --------------------------------------------------------------------------------
     def sleep(self) -> None:
@@ -196,7 +194,7 @@ class VllmGenerationEngine:
 
     @torch.no_grad()
     def _reload(self, weights: Mapping[str, torch.Tensor]) -> None:
-        pairs = conv.refit_tensors(weights, self.config, self.fp8_spec if self.fp8 else None, self.dtype)
+        pairs = conv.refit_tensors(weights, self.config, self.recipe, self.dtype)
         if self.refit_method == "reload_weights":
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})

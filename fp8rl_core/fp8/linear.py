@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from fp8rl_core.fp8.functional import (
     quantize_weight,
 )
 from fp8rl_core.fp8.gemm import scaled_mm
+
+if TYPE_CHECKING:  # a type only: fp8/ does not import the config layer
+    from fp8rl_core.config.recipe import Quantization
 
 _optimizer_steps = 0  # every optimizer step in this process, counted by the hook below
 
@@ -118,8 +122,16 @@ class Fp8Linear(nn.Linear):
         power_of_two: bool = False,
         check_finite: bool = True,
         quantize_dtype: torch.dtype | None = None,
+        quant: Quantization | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._configure(power_of_two, check_finite, quantize_dtype, quant)
+
+    def _configure(self, power_of_two: bool, check_finite: bool, quantize_dtype: torch.dtype | None,
+                   quant: Quantization | None) -> None:
+        """quant: a recipe's Quantization (fp8rl_core/config/recipe.py); its knobs win over the keywords."""
+        if quant is not None:
+            power_of_two, check_finite = quant.power_of_two_scales, quant.check_finite
         self.power_of_two = power_of_two
         self.check_finite = check_finite
         self.quantize_dtype = quantize_dtype  # round the weight to this dtype before Q(W) (None: as stored)
@@ -132,12 +144,11 @@ class Fp8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new.power_of_two = kw.pop("power_of_two", False)
-        new.check_finite = kw.pop("check_finite", True)
-        new.quantize_dtype = kw.pop("quantize_dtype", None)
+        new._configure(kw.pop("power_of_two", False), kw.pop("check_finite", True), kw.pop("quantize_dtype", None),
+                       kw.pop("quant", None))
         if kw:
             raise TypeError(f"Fp8Linear.from_linear: unexpected options {sorted(kw)}; "
-                            "valid: power_of_two, check_finite, quantize_dtype")
+                            "valid: power_of_two, check_finite, quantize_dtype, quant")
         new.train(linear.training)
         return new
 

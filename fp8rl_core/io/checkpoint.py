@@ -20,20 +20,17 @@ Safety (other people can write these folders): DCP's own reader unpickles `.meta
 `torch.load(weights_only=False)`s non-tensor values; `_SafeReader`/`_SafePlanner` replace both
 with an allow-list unpickler and `weights_only=True`. Per-rank files: `torch.load(weights_only=True)`.
 
-Export an HF checkpoint (config.json + model.safetensors) from one of these folders:
-
-    python -m fp8rl_core.io.checkpoint export runs/x/checkpoints/step_00000010 out/hf_step10
+Exporting one of these folders as an HF checkpoint is the entry point fp8rl_core/checkpoint.py
+(`python -m fp8rl_core.checkpoint export ...`): it needs the model, which this module does not.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
 import pickle
 import re
 import shutil
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -273,46 +270,3 @@ def load_legacy(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, An
     path = Path(path)
     return (load_file(str(path / "weights.safetensors")), torch.load(path / "state.pt", weights_only=True),
             read_meta(path))
-
-
-# --- export ------------------------------------------------------------------------------------------------
-
-def export_hf(ckpt: str | Path, out_dir: str | Path, quantization: str | None = None) -> Path:
-    """An HF checkpoint folder (config.json + safetensors) of the policy in DCP checkpoint `ckpt`.
-
-    Runs in one process at any saved world size (DCP gathers the shards). quantization: None or
-    "fp8_block" (fp8rl_core.model.save_pretrained).
-    """
-    from fp8rl_core.model import save_pretrained
-    from fp8rl_core.model.config import ModelConfig
-    from fp8rl_core.model.llama import CausalLM
-
-    ckpt = Path(ckpt)
-    if not (ckpt / "config.json").exists():
-        raise FileNotFoundError(f"{ckpt}: no config.json; not a checkpoint written by fp8rl_core.loop.run")
-    cfg = ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text()))
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    weights = {k: v for k, v in model.state_dict().items()}
-    load_checkpoint(ckpt, {TRAIN_KEY: {"model": weights}}, partial=True)
-    model.load_state_dict(weights, strict=True)
-    return save_pretrained(model, out_dir, quantization=quantization)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fp8rl_core.io.checkpoint", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write an HF checkpoint folder from a DCP checkpoint")
-    e.add_argument("ckpt")
-    e.add_argument("out_dir")
-    e.add_argument("--quantization", choices=["fp8_block"], default=None)
-    args = p.parse_args(argv)
-    out = export_hf(args.ckpt, args.out_dir, args.quantization)
-    print(f"exported {args.ckpt} -> {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,19 +9,26 @@ its own generation engine whose sampling seed is `rank_seed(seed, rank)` (rank 0
 """
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fp8rl_core.config import RunConfig
-from fp8rl_core.config.recipe import get_recipe
+from fp8rl_core.config import RunConfig, recipe_of
+from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.config.schema import ConfigError
+from fp8rl_core.distributed import init_distributed
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
-from fp8rl_core.loop.step import RunContext
-from fp8rl_core.model import bf16
+from fp8rl_core.engines.native_gen import NativeGenerationEngine
+from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
+from fp8rl_core.fp8.gemm import select_executor
+from fp8rl_core.loop.context import RunContext
+from fp8rl_core.loop.warmstart import warm_start
+from fp8rl_core.model import bf16, load_pretrained
+from fp8rl_core.model.hf_io import read_model_config
+from fp8rl_core.model.tokenizer import Tokenizer, char_tokenizer
+from fp8rl_core.tasks import make_task
 from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
 
 
@@ -50,15 +57,12 @@ def emulates_bf16(cfg: RunConfig, device: str) -> bool:
 def numerics_tags(cfg: RunConfig, device: str) -> dict[str, str]:
     """What computed this attempt, as MLflow tags (not params: a resume on another node may differ):
     the BF16 path, the CPU flags that decided it, and the FP8 GEMM executor."""
-    from fp8rl_core.fp8.gemm import select_executor
 
     return {TAG_BF16_COMPUTE: bf16_path(cfg, device), TAG_CPU_FLAGS: bf16.recorded_flags() or "-",
             TAG_FP8_GEMM: select_executor(device)}
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
-    from fp8rl_core.model.tokenizer import Tokenizer, char_tokenizer
-
     if cfg.model.path and (Path(cfg.model.path) / "tokenizer.json").exists():
         return Tokenizer.from_file(Path(cfg.model.path) / "tokenizer.json")
     return char_tokenizer()
@@ -66,7 +70,6 @@ def load_tokenizer(cfg: RunConfig) -> Any:
 
 def initial_checkpoint(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> Path:
     """The weights every cell starts from: the user's checkpoint, else the cached warm start."""
-    from fp8rl_core.loop.warmstart import warm_start
 
     if cfg.model.path:
         return Path(cfg.model.path)
@@ -92,13 +95,13 @@ def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = 
     if cfg.engines.training != "native":
         from fp8rl_core.engines.megatron_train import MegatronTrainingEngine  # optional, needs CUDA
 
-        return MegatronTrainingEngine(cfg, path)
-    from fp8rl_core.engines.native_train import NativeTrainingEngine
-    from fp8rl_core.model import load_pretrained
+        return MegatronTrainingEngine(path, recipe=recipe_of(cfg), megatron=cfg.engines.megatron, loss=cfg.loss,
+                                      optim=cfg.optim, temperature=cfg.rollout.temperature,
+                                      compute_dtype=compute_dtype(cfg), seed=cfg.seed)
 
     model = load_pretrained(path, dtype=torch.float32).to(device)  # FP32 master weights
-    return NativeTrainingEngine(model, fp8_training=get_recipe(cfg.recipe).fp8_training, fp8_spec=cfg.fp8,
-                                loss=cfg.loss, optim=cfg.optim, temperature=cfg.rollout.temperature,
+    return NativeTrainingEngine(model, recipe=recipe_of(cfg), loss=cfg.loss, optim=cfg.optim,
+                                temperature=cfg.rollout.temperature,
                                 compute_dtype=compute_dtype(cfg), mesh=mesh,
                                 micro_batch_size=cfg.train.micro_batch_size,
                                 logprob_batch_size=cfg.train.logprob_batch_size,
@@ -113,37 +116,46 @@ def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE
     """The frozen reference policy of the KL term (kl_coef > 0): compute-dtype weights, no optimizer."""
     if cfg.engines.training != "native":
         return build_training_engine(cfg, path, device, mesh)
-    from fp8rl_core.engines.native_train import ReferencePolicy
-    from fp8rl_core.model import load_pretrained
 
     dtype = compute_dtype(cfg)
     return ReferencePolicy(load_pretrained(path, dtype=dtype), device=device,
-                           fp8=get_recipe(cfg.recipe).fp8_training, fp8_spec=cfg.fp8,
+                           recipe=recipe_of(cfg),
                            temperature=cfg.rollout.temperature, compute_dtype=dtype, mesh=mesh,
                            logprob_batch_size=cfg.train.logprob_batch_size, cpu_offload=cfg.parallel.cpu_offload,
                            emulate_bf16=emulates_bf16(cfg, device))
 
 
-def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank: int = 0) -> Any:
+def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank: int = 0,
+                            recipe: Recipe | None = None, output_dir: str | None = None) -> Any:
+    """The generation engine of `recipe` (None: the run's, config.recipe_of) for this rank."""
+    recipe = recipe or recipe_of(cfg)
     if cfg.engines.generation != "native":
-        from fp8rl_core.engines.vllm_gen import VllmGenerationEngine  # optional, needs CUDA
+        return vllm_engine(cfg, model_config, recipe, output_dir or cfg.output_dir)
 
-        return VllmGenerationEngine(cfg, model_config)
-    from fp8rl_core.engines.native_gen import NativeGenerationEngine
+    return NativeGenerationEngine(model_config, recipe=recipe, dtype=compute_dtype(cfg), device=device,
+                                  seed=rank_seed(cfg.seed, rank), emulate_bf16=emulates_bf16(cfg, device))
 
-    return NativeGenerationEngine(model_config, fp8=get_recipe(cfg.recipe).fp8_generation, fp8_spec=cfg.fp8,
-                                  dtype=compute_dtype(cfg), device=device, seed=rank_seed(cfg.seed, rank),
-                                  emulate_bf16=emulates_bf16(cfg, device))
+
+def vllm_engine(cfg: RunConfig, model_config: Any, recipe: Recipe | None = None, output_dir: str | None = None,
+                task: Any = None) -> Any:
+    """vLLM generation engine (optional, needs CUDA) of the run, its tokenizer and task handed in."""
+    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+
+    return VllmGenerationEngine(model_config, recipe=recipe or recipe_of(cfg), dtype=compute_dtype(cfg),
+                                vllm=cfg.engines.vllm, seed=cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                                output_dir=output_dir or cfg.output_dir, tokenizer=load_tokenizer(cfg),
+                                task=task if task is not None else make_task(cfg.task))
 
 
 def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, device: str, rank: int = 0) -> Any:
     """The arm's generation backend run in BF16 (the bf16 recipe's engine) beside an FP8 one, or None when
     the arm generates in BF16 already: the engine-neutral evaluation (val_accuracy_bf16_eval) and
     fp8_gen's matched-kernel replay. vLLM: a second engine, started asleep like the first."""
-    if not get_recipe(cfg.recipe).fp8_generation:
+    recipe = recipe_of(cfg)
+    if not recipe.fp8_generation:
         return None
-    bf16_cfg = dataclasses.replace(cfg, recipe="bf16", output_dir=str(Path(cfg.output_dir) / "bf16_engine"))
-    gen = build_generation_engine(bf16_cfg, model_config, device, rank)
+    gen = build_generation_engine(cfg, model_config, device, rank, recipe=recipe.in_bf16(),
+                                  output_dir=str(Path(cfg.output_dir) / "bf16_engine"))
     if cfg.engines.generation == "vllm":
         gen.start(path)
     return gen
@@ -177,15 +189,12 @@ def build_engines(cfg: RunConfig, path: Path, model_config: Any, device: str, me
 def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = None) -> RunContext:
     """Everything one rank of the run needs. mesh None: join the launcher's process group
     (fp8rl_core.distributed.init_distributed; world size 1 without one)."""
-    from fp8rl_core.tasks import make_task
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg)
     if mesh is None:
-        from fp8rl_core.distributed import init_distributed
-
         mesh = init_distributed(cfg.parallel.timeout_s, torch.device(device).type)
     check_data_parallel(cfg, mesh)
     if mesh.distributed and device == "cuda":
@@ -194,13 +203,12 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     task = make_task(cfg.task)
     # the warm-start cache is file-locked: one rank trains it, the others wait and read it
     path = initial_checkpoint(cfg, tokenizer, task, progress and mesh.is_rank0)
-    from fp8rl_core.model.hf_io import read_model_config
 
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
     gen, bf16_gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
     ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,
-                     numerics=numerics_tags(cfg, device))
+                     recipe=recipe_of(cfg), numerics=numerics_tags(cfg, device))
     ctx.refit_generation()
     return ctx

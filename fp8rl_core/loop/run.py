@@ -21,16 +21,17 @@ import torch
 from tqdm import tqdm
 
 from fp8rl_core.config import RunConfig, run_config_hash
-from fp8rl_core.config.schema import flatten, to_dict
+from fp8rl_core.config.schema import flatten
 from fp8rl_core.diagnostics.tokens import after_step
 from fp8rl_core.distributed import shutdown
 from fp8rl_core.io import checkpoint as ckpt
 from fp8rl_core.loop.builder import build_context
+from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.evaluate import validation_metrics
 from fp8rl_core.loop.hold import hold_after
-from fp8rl_core.loop.step import RunContext, grpo_step, sampling_params
+from fp8rl_core.loop.step import grpo_step, sampling_params
 from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE
-from fp8rl_core.tracking.sink import NullSink, make_run_sink
+from fp8rl_core.tracking.sink import NullSink, make_run_sink, run_params
 
 
 class RunFailed(RuntimeError):
@@ -157,8 +158,8 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
     cfg, rank0 = ctx.cfg, ctx.mesh.is_rank0
     done = resume_or_start(ctx, ckpt_dir)  # collective: every rank loads its shards
     sink = make_run_sink(cfg, out_dir, resume_step=done) if rank0 else NullSink()
-    if done == 0:
-        sink.log_params(flatten(to_dict(cfg)))
+    if done == 0 and not cfg.tracking.run_id:  # a sweep cell's params: its driver logged them with its run
+        sink.log_params(flatten(run_params(cfg)))
     # tags, not params: a resumed run may reshard, or run on another CPU kind (per attempt)
     sink.set_tags({"world_size": ctx.mesh.world_size, **ctx.numerics})
     last: dict[str, float] = {}

@@ -30,63 +30,22 @@ rounding, gradients to the rounding of per-rank partial sums.
 """
 from __future__ import annotations
 
-import random
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from fp8rl_core.algorithms import grpo
 from fp8rl_core.algorithms.importance import compute_importance, importance_stats
-from fp8rl_core.algorithms.metrics import token_mult_prob_error
+from fp8rl_core.algorithms.metrics import token_mult_prob_error, token_mult_prob_error_sum
 from fp8rl_core.config import RunConfig
-from fp8rl_core.config.recipe import get_recipe
 from fp8rl_core.diagnostics.tokens import observe_step
-from fp8rl_core.distributed.mesh import SINGLE, Mesh
-from fp8rl_core.engines.base import GenerationEngine, SamplingParams, TrainBatch, TrainingEngine
+from fp8rl_core.distributed.mesh import Mesh
+from fp8rl_core.engines.base import SamplingParams, TrainBatch
 from fp8rl_core.fp8.gemm import executor_flags
+from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
 from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
-
-
-@dataclass
-class RunContext:
-    cfg: RunConfig
-    tokenizer: Any
-    task: Any
-    gen: GenerationEngine
-    train: TrainingEngine
-    ref: TrainingEngine | None  # frozen reference policy for the KL term (kl_coef > 0)
-    data_rng: random.Random  # prompt sampling, the same on every rank; its state is checkpointed
-    shuffle: torch.Generator  # minibatch order; its state is checkpointed
-    mesh: Mesh = SINGLE  # this process's rank and world size (fp8rl_core/distributed)
-    # a BF16 generation engine beside an FP8 one (None for a recipe that generates in BF16, whose own
-    # engine serves): the engine-neutral evaluation (val_accuracy_bf16_eval) and, for fp8_gen, the
-    # matched-kernel replay at the trainer's precision. Refit lazily, only when used (bf16_engine)
-    bf16_gen: GenerationEngine | None = None
-    numerics: dict[str, str] = field(default_factory=dict)  # what ran: BF16 path, CPU flags (MLflow tags)
-    _bf16_stale: bool = True
-
-    def refit_generation(self) -> None:
-        """Refit the generation engine from the trainer's current weights (after every update)."""
-        self.gen.refit(self.train.weights())
-        self._bf16_stale = True
-
-    def bf16_engine(self) -> GenerationEngine:
-        """The BF16 generation engine on the trainer's current weights (the arm's own if it is BF16)."""
-        if self.bf16_gen is None:
-            return self.gen
-        if self._bf16_stale:
-            self.bf16_gen.refit(self.train.weights())
-            self._bf16_stale = False
-        return self.bf16_gen
-
-    def replay_engine(self) -> GenerationEngine:
-        """engines.kernels matched: the generation engine at the trainer's precision (its own engine when
-        both sides quantize alike: bf16, fp8_e2e; the BF16 engine for fp8_gen's BF16 trainer)."""
-        recipe = get_recipe(self.cfg.recipe)
-        return self.gen if recipe.fp8_generation == recipe.fp8_training else self.bf16_engine()
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -173,10 +132,10 @@ def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: tor
     if not mesh.distributed:
         return {"reward_mean": float(rewards.mean()), "token_mult_prob_error": token_mult_prob_error(old, gen, m),
                 "response_length_mean": n / m.shape[0], **importance_stats(isw)}
-    d = old.detach().double()[m] - gen.detach().double()[m]
+    e_local, _ = token_mult_prob_error_sum(old, gen, m)
     w, raw = isw.weights.double()[m], isw.raw.double()[m]
     s = mesh.all_reduce_sum([float(rewards.double().sum()), rewards.numel(), n, m.shape[0],
-                             float(torch.exp(d.abs()).sum()), float(w.sum()), float(raw.sum()),
+                             e_local, float(w.sum()), float(raw.sum()),
                              float((isw.truncated & m).sum()), float((isw.masked & m).sum())]).tolist()
     mx = mesh.all_reduce_max([float(w.max()) if n else 0.0, float(raw.max()) if n else 0.0]).tolist()
     r_sum, r_n, n_all, rows, e_sum, w_sum, raw_sum, trunc, masked = s

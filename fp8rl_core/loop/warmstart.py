@@ -22,7 +22,10 @@ from tqdm import tqdm
 
 from fp8rl_core.config import RunConfig
 from fp8rl_core.config.schema import stable_hash, to_dict
-from fp8rl_core.model import bf16
+from fp8rl_core.engines.native_gen import NativeGenerationEngine
+from fp8rl_core.loop.evaluate import greedy_accuracy
+from fp8rl_core.model import bf16, build_model, save_pretrained
+from fp8rl_core.model.config import preset
 
 
 def warmstart_key(cfg: RunConfig) -> str:
@@ -73,11 +76,9 @@ def dev_examples(cfg: RunConfig, task: Any) -> list:
 
 def dev_accuracy(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, examples: list) -> float:
     """Greedy exact-match accuracy of `model` on `examples`, decoded by a BF16 generation engine."""
-    from fp8rl_core.engines.native_gen import NativeGenerationEngine
-    from fp8rl_core.loop.evaluate import greedy_accuracy
 
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    gen = NativeGenerationEngine(model.config, fp8=False, dtype=dtype, device="cpu", seed=0,
+    gen = NativeGenerationEngine(model.config, dtype=dtype, device="cpu", seed=0,
                                  emulate_bf16=_emulates_bf16(cfg))
     gen.refit(model.state_dict())
     return greedy_accuracy(gen, tokenizer, task, examples, cfg.rollout.max_new_tokens)
@@ -123,8 +124,6 @@ def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, pr
 
 def warm_start(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool = True) -> Path:
     """Path of the warm-start HF checkpoint for `cfg`, training it first if no process has yet."""
-    from fp8rl_core.model import build_model, save_pretrained
-    from fp8rl_core.model.config import preset
 
     root = Path(cfg.warmstart.cache_dir)
     final = root / warmstart_key(cfg)

@@ -1,6 +1,6 @@
 """The policy model (Llama / Qwen2 architecture with HF's names) and its HF checkpoint I/O."""
 from fp8rl_core.model.config import PRESETS, ModelConfig, preset
-from fp8rl_core.model.fp8_policy import apply_fp8, fp8_exclusions
+from fp8rl_core.model.fp8_policy import apply_fp8
 from fp8rl_core.model.hf_io import load_pretrained, save_pretrained
 from fp8rl_core.model.llama import CausalLM, build_model
 
@@ -10,7 +10,6 @@ __all__ = [
     "ModelConfig",
     "apply_fp8",
     "build_model",
-    "fp8_exclusions",
     "load_pretrained",
     "preset",
     "save_pretrained",

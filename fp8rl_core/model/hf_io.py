@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from fp8rl_core.fp8 import dequantize_blockwise, quantize_blockwise
 from fp8rl_core.io.atomic import fsync_dir, fsync_file
 from fp8rl_core.model.config import ModelConfig, merge_eos_ids
 from fp8rl_core.model.llama import CausalLM
@@ -127,7 +128,6 @@ def dequantize_state(tensors: dict[str, torch.Tensor], block: tuple[int, int] | 
         raise ValueError(f"{path}: static activation scales are not supported (need activation_scheme dynamic)")
     if not scales:
         return tensors
-    from fp8rl_core.fp8 import dequantize_blockwise
 
     out = dict(tensors)
     for key in scales:
@@ -198,7 +198,6 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 def quantize_linears(model: CausalLM, state: dict[str, torch.Tensor], ignore: tuple[str, ...]) -> list[str]:
     """Quantize, in `state`, the linear weights not matched by `ignore`; return the kept module names."""
-    from fp8rl_core.fp8 import quantize_blockwise
 
     kept = []
     for name in linear_module_names(model):

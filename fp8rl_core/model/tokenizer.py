@@ -16,6 +16,9 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from fp8rl_core.model.config import eos_id_list
+from fp8rl_core.model.hf_io import CONFIG, read_generation_config
+
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # The synthetic tasks' alphabet: arithmetic plus a little punctuation for JSONL math-like data.
 # ids: <pad>=0, <s>=1, </s>=2, then these 28 characters (3..30), then <unk>=31: 32 = ModelConfig.vocab_size.
@@ -108,8 +111,6 @@ class Tokenizer:
         pad_id = _find(tok, pad, cfg.get("pad_token"), _PAD_NAMES, "pad")
         if eos_id is None:
             raise ValueError(f"{file}: cannot tell which token is EOS; pass eos=<id or token string>")
-        from fp8rl_core.model.config import eos_id_list
-        from fp8rl_core.model.hf_io import CONFIG, read_generation_config
 
         model_cfg = file.parent / CONFIG  # a tokenizer folder need not hold a model's config.json
         extra = eos_id_list(json.loads(model_cfg.read_text()) if model_cfg.is_file() else {},

@@ -14,7 +14,6 @@ Run side (the training loop):
     from fp8rl_core.tracking.sink import make_run_sink
     sink = make_run_sink(cfg, cfg.output_dir)      # JSONL always; + MLflow when cfg.tracking.uri is set
     sink.log_params(flat_config); sink.log(step, {"loss": 0.3, ...}); sink.close("FINISHED")
-    # or open_sink(output_dir, uri, run_id) without a RunConfig
 
 Driver side (`launchers/`): `runs.py` owns every run's lifecycle — `ensure_experiment`,
 `create_parent_run`, `find_or_create_cell_run`, `cell_states`, `start_run`, `end_run` (which ships a
@@ -35,7 +34,6 @@ from fp8rl_core.tracking.contract import *  # noqa: F403  (the contract, re-expo
 
 _LAZY = {
     "MetricSink": "sink", "JsonlSink": "sink", "MultiSink": "sink", "read_records": "sink", "make_run_sink": "sink",
-    "open_sink": "sink",
     "MlflowSink": "mlflow_sink", "replay_buffer": "mlflow_sink",
     "ensure_experiment": "runs", "create_parent_run": "runs", "find_parent_run": "runs",
     "find_or_create_cell_run": "runs", "cell_states": "runs", "start_run": "runs", "end_run": "runs",

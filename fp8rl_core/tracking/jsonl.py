@@ -15,9 +15,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from fp8rl_core.tracking.contract import END_STATUSES, FINISHED, RUNNING
+
 log = logging.getLogger(__name__)
 
-RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+RUN_STATUSES = END_STATUSES  # what a run may end as (tracking.contract)
 
 
 def now_ms() -> int:
@@ -26,7 +28,7 @@ def now_ms() -> int:
 
 def check_status(status: str | None) -> str | None:
     """A terminal status, or None for "leave the run RUNNING" (also spelled "RUNNING")."""
-    if status is None or status == "RUNNING":
+    if status is None or status == RUNNING:
         return None
     if status not in RUN_STATUSES:
         raise ValueError(f"status: {status!r} is not allowed; valid: {', '.join(RUN_STATUSES)}, RUNNING or None")
@@ -150,7 +152,7 @@ class JsonlSink:
         """Record a run status change (RUNNING at start, a terminal status at close)."""
         self._write({"kind": "status", "time_ms": now_ms(), "status": status})
 
-    def close(self, status: str | None = "FINISHED") -> None:
+    def close(self, status: str | None = FINISHED) -> None:
         status = check_status(status)
         if self._file.closed:
             return

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
+from fp8rl_core.tracking.contract import FINISHED, RUNNING
 from fp8rl_core.tracking.jsonl import JsonlSink, check_status, read_records
-from fp8rl_core.tracking.store import MAX_TAG_VALUE_LEN, context_tags, flatten_params, set_status
+from fp8rl_core.tracking.store import MAX_TAG_VALUE_LEN, Store, context_tags, flatten_params, set_status
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +126,14 @@ class MlflowSink:
         self.offset = self._load_offset()
         self.shipped = self.rejected = self.failures = self.batches = 0
         self.last_error: str | None = None
-        self._client: MlflowClient | None = None
+        self._client: Store | None = None
         self._backoff, self._next_try, self._pending = 0.0, 0.0, 0
         self._ship_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         if not self.buffer.last_step:
             self._merge_remote_last_steps()
         if start:  # a requeued run says RUNNING again; also where/which job runs it now
-            self.buffer.mark("RUNNING")
+            self.buffer.mark(RUNNING)
             self.buffer.set_tags(context_tags(git=False))
         self._thread = None
         if background:
@@ -174,7 +174,7 @@ class MlflowSink:
                 return False
             time.sleep(max(wait, 0.01))
 
-    def close(self, status: str | None = "FINISHED") -> bool:
+    def close(self, status: str | None = FINISHED) -> bool:
         """Ship everything and set the run's status; True if MLflow has every record."""
         status = check_status(status)
         self._stop.set()
@@ -198,9 +198,9 @@ class MlflowSink:
                 self.ship()
 
     @property
-    def client(self) -> MlflowClient:
+    def client(self) -> Store:
         if self._client is None:
-            self._client = MlflowClient(self.uri)
+            self._client = Store(self.uri)
         return self._client
 
     def ship(self) -> bool:

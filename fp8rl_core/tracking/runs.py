@@ -32,11 +32,25 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow import MlflowClient
-from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 
-from fp8rl_core.tracking import TAG_CELL_ID, TAG_IS, TAG_PARENT, TAG_RECIPE, TAG_ROLE, TAG_SEED, TAG_SWEEP
+from fp8rl_core.tracking.contract import (
+    EXPERIMENT_TAGS,
+    FINISHED,
+    ROLE_CELL,
+    ROLE_SWEEP,
+    RUNNING,
+    SCHEDULED,
+    STATUS_RANK,
+    TAG_CELL_ID,
+    TAG_ERROR,
+    TAG_IS,
+    TAG_PARENT,
+    TAG_RECIPE,
+    TAG_ROLE,
+    TAG_SEED,
+    TAG_SWEEP,
+)
 from fp8rl_core.tracking.mlflow_sink import replay_buffer
 from fp8rl_core.tracking.store import (  # noqa: F401  (flatten_params, context_tags, ...: this module's API too)
     END_STATUSES,
@@ -45,6 +59,7 @@ from fp8rl_core.tracking.store import (  # noqa: F401  (flatten_params, context_
     MAX_PARAMS_PER_BATCH,
     MAX_TAG_VALUE_LEN,
     OPEN_STATUSES,
+    Store,
     TrackingUnreachable,
     context_tags,
     default_artifact_location,
@@ -60,17 +75,12 @@ from fp8rl_core.tracking.store import (  # noqa: F401  (flatten_params, context_
 
 log = logging.getLogger(__name__)
 
-STATUS_RANK = {"FINISHED": 5, "RUNNING": 4, "SCHEDULED": 3, "FAILED": 2, "KILLED": 1}
-# The experiment's kind for MLflow 3.x UIs that read it (earlier 3.x, Databricks). MLflow 3.17 ignores it:
-# its view comes from the browser (URL `?workflowType=machine_learning`, else local storage, default
-# GenAI "Overview"), so links to the runs table carry that query (`analysis.report.ui_link`).
-EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
-ERROR_TAG = "fp8rl.error"  # the exception that ended a failed cell, shown in the MLflow UI
+ERROR_TAG = TAG_ERROR  # the exception that ended a failed cell (tracking.contract)
 
 
 def ensure_experiment(uri: str, name: str, artifact_location: str | None = None) -> str:
     """Return the id of experiment `name`, creating it (race-safe) when missing."""
-    client = MlflowClient(uri)
+    client = Store(uri)
     exp = client.get_experiment_by_name(name)
     if exp is None:
         try:
@@ -91,34 +101,18 @@ def _quoted(key: str, value: str) -> str:
     return f"'{value}'"
 
 
-def _search(client: MlflowClient, experiment_ids: list[str], filter_string: str, order_by: list[str] | None = None):
-    """All active runs matching the filter (one query; further pages only past 50000 runs)."""
-    runs, token = [], None
-    while True:
-        page = client.search_runs(experiment_ids, filter_string, ViewType.ACTIVE_ONLY, 50000, order_by, token)
-        runs.extend(page)
-        token = page.token
-        if not token:
-            return runs
-
-
-def _experiment_id(client: MlflowClient, experiment: str) -> str | None:
-    exp = client.get_experiment_by_name(experiment)
-    return exp.experiment_id if exp is not None else None
-
-
 def find_parent_run(uri: str, experiment: str, sweep_name: str) -> str | None:
     """The newest active parent run of `sweep_name` in experiment `experiment` (a name), or None."""
-    client = MlflowClient(uri)
-    exp_id = _experiment_id(client, experiment)
+    client = Store(uri)
+    exp_id = client.experiment_id(experiment)
     if exp_id is None:
         return None
-    filt = f"tags.{TAG_SWEEP} = {_quoted('sweep', sweep_name)} and tags.`{TAG_ROLE}` = 'sweep'"
-    runs = _search(client, [exp_id], filt, ["attributes.start_time DESC"])
+    filt = f"tags.{TAG_SWEEP} = {_quoted('sweep', sweep_name)} and tags.`{TAG_ROLE}` = '{ROLE_SWEEP}'"
+    runs = client.search_runs([exp_id], filt, ["attributes.start_time DESC"])
     return runs[0].info.run_id if runs else None
 
 
-def _new_run(client: MlflowClient, exp_id: str, run_name: str | None, tags: Mapping[str, Any],
+def _new_run(client: Store, exp_id: str, run_name: str | None, tags: Mapping[str, Any],
              params: Mapping[str, Any] | None, config: Mapping[str, Any] | None, config_name: str) -> str:
     run = client.create_run(exp_id, run_name=run_name, tags={k: str(v)[:MAX_TAG_VALUE_LEN] for k, v in tags.items()})
     run_id = run.info.run_id
@@ -140,8 +134,8 @@ def create_parent_run(uri: str, experiment: str, sweep_name: str, tags: Mapping[
     if existing:
         return existing
     exp_id = ensure_experiment(uri, experiment)
-    all_tags = {**context_tags(), **(tags or {}), TAG_SWEEP: sweep_name, TAG_ROLE: "sweep"}
-    return _new_run(MlflowClient(uri), exp_id, sweep_name, all_tags, params, config, "sweep.yaml")
+    all_tags = {**context_tags(), **(tags or {}), TAG_SWEEP: sweep_name, TAG_ROLE: ROLE_SWEEP}
+    return _new_run(Store(uri), exp_id, sweep_name, all_tags, params, config, "sweep.yaml")
 
 
 def _cell_run_name(cell_id: str, tags: Mapping[str, Any]) -> str:
@@ -160,42 +154,55 @@ def find_or_create_cell_run(uri: str, experiment_id: str, parent_run_id: str, ce
     parent), context tags and `tags` (recipe, importance_sampling, seed, ...); `params` flattened;
     `config` as `config.yaml`. An existing run is returned as it is (nothing re-logged).
     """
-    client = MlflowClient(uri)
+    client = Store(uri)
     filt = (f"tags.`{TAG_PARENT}` = {_quoted('parent_run_id', parent_run_id)} "
             f"and tags.{TAG_CELL_ID} = {_quoted('cell_id', cell_id)}")
-    found = _search(client, [experiment_id], filt)
+    found = client.search_runs([experiment_id], filt)
     if found:
         best = max(found, key=lambda r: (STATUS_RANK.get(r.info.status, 0), r.info.start_time or 0))
         return best.info.run_id, best.info.status
     sweep = client.get_run(parent_run_id).data.tags.get(TAG_SWEEP, "")
     all_tags = {**context_tags(), **(tags or {}), TAG_PARENT: parent_run_id, TAG_CELL_ID: cell_id,
-                TAG_ROLE: "cell", TAG_SWEEP: sweep}
+                TAG_ROLE: ROLE_CELL, TAG_SWEEP: sweep}
     run_id = _new_run(client, experiment_id, run_name or _cell_run_name(cell_id, all_tags), all_tags, params,
                       config, "config.yaml")
-    client.update_run(run_id, status="SCHEDULED")  # RUNNING once its job opens the sink
-    return run_id, "SCHEDULED"
+    client.update_run(run_id, status=SCHEDULED)  # RUNNING once its job opens the sink
+    return run_id, SCHEDULED
 
 
 def cell_states(uri: str, experiment: str, sweep_name: str) -> dict[str, str]:
     """`{cell_id: status}` for every active child run of the sweep, from ONE search query."""
-    client = MlflowClient(uri)
-    exp_id = _experiment_id(client, experiment)
+    client = Store(uri)
+    exp_id = client.experiment_id(experiment)
     if exp_id is None:
         return {}
-    filt = f"tags.{TAG_SWEEP} = {_quoted('sweep', sweep_name)} and tags.`{TAG_ROLE}` = 'cell'"
+    filt = f"tags.{TAG_SWEEP} = {_quoted('sweep', sweep_name)} and tags.`{TAG_ROLE}` = '{ROLE_CELL}'"
     states: dict[str, str] = {}
-    for run in _search(client, [exp_id], filt):
+    for run in client.search_runs([exp_id], filt):
         cell = run.data.tags.get(TAG_CELL_ID)
         if cell and STATUS_RANK.get(run.info.status, 0) > STATUS_RANK.get(states.get(cell, ""), -1):
             states[cell] = run.info.status
     return states
 
 
+def run_statuses(uri: str, experiment: str, run_ids: list[str]) -> dict[str, str]:
+    """`{run_id: status}` of the given active runs of `experiment` (a name), from ONE search query:
+    `sweep cancel` reads its cells' runs before and after it signals their jobs (not one get_run each)."""
+    if not run_ids:
+        return {}
+    client = Store(uri)
+    exp_id = client.experiment_id(experiment)
+    if exp_id is None:
+        return {}
+    ids = ", ".join(_quoted("run_id", r) for r in sorted(set(run_ids)))
+    return {run.info.run_id: run.info.status for run in client.search_runs([exp_id], f"attributes.run_id IN ({ids})")}
+
+
 def start_run(uri: str, run_id: str) -> None:
     """A job started (or a requeued job goes on): RUNNING, unless the run already FINISHED."""
-    client = MlflowClient(uri)
-    if client.get_run(run_id).info.status != "FINISHED":
-        set_status(client, run_id, "RUNNING")
+    client = Store(uri)
+    if client.get_run(run_id).info.status != FINISHED:
+        set_status(client, run_id, RUNNING)
 
 
 def end_run(uri: str, run_id: str, status: str, buffer_path: str | Path | None = None, error: str | None = None,
@@ -213,7 +220,7 @@ def end_run(uri: str, run_id: str, status: str, buffer_path: str | Path | None =
             replay_buffer(uri, run_id, buffer_path, timeout_s=ship_timeout_s)
         except ValueError as e:  # the buffer belongs to another run: never ship it here
             log.warning("run %s: %s", run_id, e)
-    client = MlflowClient(uri)
+    client = Store(uri)
     if error:
         retry_locked(client.set_tag, run_id, ERROR_TAG, error[:MAX_TAG_VALUE_LEN // 2])
     if only_open and retry_locked(client.get_run, run_id).info.status not in OPEN_STATUSES:
@@ -222,19 +229,19 @@ def end_run(uri: str, run_id: str, status: str, buffer_path: str | Path | None =
     return True
 
 
-def finish_run(uri: str, run_id: str, status: str = "FINISHED") -> None:
+def finish_run(uri: str, run_id: str, status: str = FINISHED) -> None:
     """End a sweep's parent run (whatever its status was)."""
     end_run(uri, run_id, status, only_open=False)
 
 
 def last_metric(uri: str, run_id: str, key: str) -> float | None:
     """The last logged value of metric `key` in the run (None if never logged)."""
-    return retry_locked(MlflowClient(uri).get_run, run_id).data.metrics.get(key)
+    return retry_locked(Store(uri).get_run, run_id).data.metrics.get(key)
 
 
 def log_summary(uri: str, run_id: str, metrics: Mapping[str, float], tags: Mapping[str, Any]) -> None:
     """Summary metrics and tags on a (parent) run, e.g. an Optuna search's best trial."""
-    client = MlflowClient(uri)
+    client = Store(uri)
     for key, value in metrics.items():
         retry_locked(client.log_metric, run_id, key, value)
     for key, value in tags.items():
@@ -245,5 +252,5 @@ def create_run(uri: str, experiment: str, run_name: str | None = None, tags: Map
                params: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None) -> str:
     """A standalone run (no sweep), for a single `fp8rl-train` with a tracking URI."""
     exp_id = ensure_experiment(uri, experiment)
-    return _new_run(MlflowClient(uri), exp_id, run_name, {**context_tags(), **(tags or {})}, params, config,
+    return _new_run(Store(uri), exp_id, run_name, {**context_tags(), **(tags or {})}, params, config,
                     "config.yaml")

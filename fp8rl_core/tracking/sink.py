@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from fp8rl_core.tracking import METRICS_FILE, TAG_CELL_ID, TAG_IS, TAG_RECIPE, TAG_SEED
+from fp8rl_core.tracking import FINISHED, METRICS_FILE, TAG_CELL_ID, TAG_IS, TAG_RECIPE, TAG_SEED
 from fp8rl_core.tracking.jsonl import RUN_STATUSES, JsonlSink, check_status, now_ms, read_records, to_metric_values
 
 __all__ = ["RUN_STATUSES", "JsonlSink", "MetricSink", "MultiSink", "check_status", "make_run_sink", "now_ms",
-           "read_records", "to_metric_values"]
+           "read_records", "run_params", "to_metric_values"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class MetricSink(Protocol):
 
     def flush(self) -> None: ...
 
-    def close(self, status: str | None = "FINISHED") -> None: ...
+    def close(self, status: str | None = FINISHED) -> None: ...
 
 class NullSink:
     """A MetricSink that keeps nothing: the sink of ranks other than 0 (rank 0 alone writes the run's
@@ -65,7 +65,7 @@ class NullSink:
 
     def flush(self) -> None: ...
 
-    def close(self, status: str | None = "FINISHED") -> None: ...
+    def close(self, status: str | None = FINISHED) -> None: ...
 
 
 
@@ -95,7 +95,7 @@ class MultiSink:
         for s in self.sinks:
             s.flush()
 
-    def close(self, status: str | None = "FINISHED") -> None:
+    def close(self, status: str | None = FINISHED) -> None:
         errors = []
         for s in self.sinks:
             try:
@@ -104,6 +104,18 @@ class MultiSink:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def run_params(cfg: Any) -> dict[str, Any]:
+    """A run's params: its resolved `RunConfig` without `tracking` (where it logs, not what it computes;
+    MLflow shows the run ids anyway). The one rule for the sweep driver, which logs them when it
+    creates a cell's run, and for a run without a sweep: MLflow refuses a param whose value changes,
+    so every writer must derive them from the same resolved config."""
+    from fp8rl_core.config.schema import to_dict
+
+    data = to_dict(cfg)
+    data.pop("tracking", None)
+    return data
 
 
 def _standalone_run_id(cfg: Any, out_dir: Path) -> str:
@@ -141,21 +153,3 @@ def make_run_sink(cfg: Any, out_dir: str | Path, resume_step: int | None = None)
     if resume_step:
         log.info("%s: resuming after step %d; steps already recorded keep their first values", out, resume_step)
     return sink
-
-
-def open_sink(output_dir: str | Path, uri: str | None = None, run_id: str | None = None, **kwargs: Any) -> MetricSink:
-    """The sink a run should use: `output_dir/metrics.jsonl` always; MLflow too when `uri` is set.
-
-    With `uri` and `run_id` (the cell run the driver created) this is an `MlflowSink` whose local
-    buffer is that same JSONL file; `kwargs` go to `MlflowSink`. With `uri` but no `run_id` it is an
-    error (a run never creates its own MLflow run: the driver owns run creation).
-    """
-    path = Path(output_dir) / METRICS_FILE
-    if uri is None:
-        return JsonlSink(path)
-    if not run_id:
-        raise ValueError("tracking.run_id: required when tracking.uri is set (the sweep driver creates the "
-                         "cell's MLflow run; a run without a sweep uses make_run_sink, which creates one)")
-    from fp8rl_core.tracking.mlflow_sink import MlflowSink
-
-    return MlflowSink(uri, run_id, path, **kwargs)

@@ -5,7 +5,11 @@
 - reachability: `health_ok(url)`, `tracking_reachable(uri)`, `TrackingUnreachable`;
 - SQLite's "database is locked" under many writers: `retry_locked(fn, ...)`;
 - what a run records: `flatten_params` (MLflow's key/value limits), `context_tags` (host, user, git, SLURM);
-- `set_status(client, run_id, status)`: the one place a run's status is written (runs.py and the sink call it).
+- `set_status(store, run_id, status)`: the one place a run's status is written (runs.py and the sink call it);
+- `Store(uri)`: the one door to MLflow's client. Every MLflow call of the project (tracking, the
+  sweep engine, analysis, scripts, benchmarks) goes through its named methods, so a change of
+  MLflow's client API (we pin a range and use private parts: bulk metric histories) is one place to
+  adapt. Tests may use `MlflowClient` directly.
 """
 from __future__ import annotations
 
@@ -24,9 +28,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fp8rl_core.config.schema import flatten
+from fp8rl_core.tracking.contract import END_STATUSES, OPEN_STATUSES, RUNNING  # noqa: F401  (OPEN_STATUSES: API)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mlflow import MlflowClient
+    from mlflow.entities import Experiment, Metric, Run
 
 T = TypeVar("T")
 SQLITE = "sqlite:///"  # MLflow is imported by the functions that call it: URI helpers stay cheap
@@ -34,8 +39,7 @@ MAX_KEY_LEN = 250
 MAX_PARAM_VALUE_LEN = 6000
 MAX_TAG_VALUE_LEN = 8000
 MAX_PARAMS_PER_BATCH = 100
-OPEN_STATUSES = ("SCHEDULED", "RUNNING")
-END_STATUSES = ("FINISHED", "FAILED", "KILLED")
+PAGE = 50000  # runs per search page: further pages only past that many runs
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -105,10 +109,10 @@ def retry_locked(fn: Callable[..., T], *args: Any, tries: int = 20, **kwargs: An
     raise AssertionError("unreachable")
 
 
-def set_status(client: MlflowClient, run_id: str, status: str, end_time: int | None = None) -> None:
+def set_status(client: Store, run_id: str, status: str, end_time: int | None = None) -> None:
     """Write a run's status: RUNNING (started, or requeued) or FINISHED/FAILED/KILLED (ended)."""
-    if status == "RUNNING":
-        client.update_run(run_id, status="RUNNING")
+    if status == RUNNING:
+        client.update_run(run_id, status=RUNNING)
     elif status in END_STATUSES:
         client.set_terminated(run_id, status, end_time=end_time)
     else:
@@ -179,7 +183,7 @@ def flatten_params(config: Mapping[str, Any]) -> dict[str, str]:
     return {_param_key(k): _param_text(v) for k, v in flatten(dict(config)).items()}
 
 
-def log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
+def log_params(client: Store, run_id: str, params: Mapping[str, Any]) -> None:
     """Flatten and log `params` in batches of <= 100 (MLflow's per-request limit)."""
     from mlflow.entities import Param
 
@@ -188,7 +192,7 @@ def log_params(client: MlflowClient, run_id: str, params: Mapping[str, Any]) -> 
         client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH], synchronous=True)
 
 
-def set_tags(client: MlflowClient, run_id: str, tags: Mapping[str, Any]) -> None:
+def set_tags(client: Store, run_id: str, tags: Mapping[str, Any]) -> None:
     from mlflow.entities import RunTag
 
     items = [RunTag(k, str(v)[:MAX_TAG_VALUE_LEN]) for k, v in tags.items()]
@@ -196,7 +200,7 @@ def set_tags(client: MlflowClient, run_id: str, tags: Mapping[str, Any]) -> None
         client.log_batch(run_id, tags=items[i : i + MAX_PARAMS_PER_BATCH], synchronous=True)
 
 
-def log_config_artifact(client: MlflowClient, run_id: str, config: Mapping[str, Any],
+def log_config_artifact(client: Store, run_id: str, config: Mapping[str, Any],
                         name: str = "config.yaml") -> None:
     """The full (untruncated) config as a YAML artifact at the run's artifact root."""
     import yaml
@@ -205,3 +209,130 @@ def log_config_artifact(client: MlflowClient, run_id: str, config: Mapping[str, 
         path = Path(tmp) / name
         path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
         client.log_artifact(run_id, str(path))
+
+
+Points = list[tuple[int, int, float]]  # a metric's history: (step, timestamp_ms, value)
+REST_BULK = "/api/2.0/mlflow/metrics/get-history-bulk-interval"
+REST_MAX_RUNS, REST_MAX_POINTS = 100, 2500  # the server's limits for that endpoint
+SQL_CHUNK = 500  # run ids per SQL `IN (...)`
+
+
+class Store:
+    """The MLflow tracking store at `uri`, through the calls this project makes (named as MLflow's
+    client names them). Searches return every active run that matches (paged), never a first page."""
+
+    def __init__(self, uri: str):
+        from mlflow import MlflowClient
+
+        self.uri = uri
+        self._client = MlflowClient(uri)
+
+    # ---- experiments ------------------------------------------------------------------------------
+    def get_experiment_by_name(self, name: str) -> Experiment | None:
+        return self._client.get_experiment_by_name(name)
+
+    def experiment_id(self, name: str) -> str | None:
+        exp = self._client.get_experiment_by_name(name)
+        return exp.experiment_id if exp is not None else None
+
+    def create_experiment(self, name: str, artifact_location: str | None = None,
+                          tags: Mapping[str, str] | None = None) -> str:
+        return self._client.create_experiment(name, artifact_location, dict(tags or {}))
+
+    def create_tables(self) -> None:
+        """Make a new SQLite store's schema now (the first call creates it: seconds, not in a timing)."""
+        self._client.search_experiments()
+
+    # ---- runs -----------------------------------------------------------------------------------------
+    def search_runs(self, experiment_ids: list[str], filter_string: str = "", order_by: list[str] | None = None,
+                    max_results: int | None = None) -> list[Run]:
+        """Every active run matching the filter (one query; further pages only past PAGE runs), or
+        the first `max_results`."""
+        from mlflow.entities import ViewType
+
+        runs: list[Run] = []
+        token = None
+        while True:
+            page = self._client.search_runs(experiment_ids, filter_string, ViewType.ACTIVE_ONLY,
+                                            max_results or PAGE, order_by, token)
+            runs.extend(page)
+            token = page.token
+            if not token or (max_results and len(runs) >= max_results):
+                return runs
+
+    def get_run(self, run_id: str) -> Run:
+        return self._client.get_run(run_id)
+
+    def create_run(self, experiment_id: str, run_name: str | None = None,
+                   tags: Mapping[str, str] | None = None) -> Run:
+        return self._client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
+
+    def update_run(self, run_id: str, status: str) -> None:
+        self._client.update_run(run_id, status=status)
+
+    def set_terminated(self, run_id: str, status: str, end_time: int | None = None) -> None:
+        self._client.set_terminated(run_id, status, end_time=end_time)
+
+    def set_tag(self, run_id: str, key: str, value: Any) -> None:
+        self._client.set_tag(run_id, key, value)
+
+    def log_metric(self, run_id: str, key: str, value: float, timestamp: int | None = None,
+                   step: int | None = None, synchronous: bool = True) -> None:
+        self._client.log_metric(run_id, key, value, timestamp, step, synchronous=synchronous)
+
+    def log_batch(self, run_id: str, metrics: Any = (), params: Any = (), tags: Any = (),
+                  synchronous: bool = True) -> None:
+        self._client.log_batch(run_id, metrics=list(metrics), params=list(params), tags=list(tags),
+                               synchronous=synchronous)
+
+    def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
+        self._client.log_artifact(run_id, path, artifact_path)
+
+    def log_artifacts(self, run_id: str, folder: str, artifact_path: str | None = None) -> None:
+        self._client.log_artifacts(run_id, folder, artifact_path)
+
+    # ---- metric histories -------------------------------------------------------------------------
+    def get_metric_history(self, run_id: str, key: str) -> list[Metric]:
+        return self._client.get_metric_history(run_id, key)
+
+    def metric_histories(self, run_ids: list[str], key: str) -> dict[str, Points]:
+        """`{run_id: points}` of metric `key`, in bulk where the store allows it: a SQL store's
+        `get_metric_history_bulk` (private, <= SQL_CHUNK runs a query), a server's bulk endpoint
+        (<= 100 runs, <= 2500 points a run: a run that comes back with 2500 points may be sampled and
+        is read in full), else one `get_metric_history` per run."""
+        from mlflow.store.tracking.rest_store import RestStore
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        backend = self._client._tracking_client.store  # the public client has no bulk history call
+        if isinstance(backend, SqlAlchemyStore):
+            return self._bulk_sql(backend, run_ids, key)
+        if isinstance(backend, RestStore):
+            return self._bulk_rest(backend, run_ids, key)
+        return {r: self._points(r, key) for r in run_ids}
+
+    def _points(self, run_id: str, key: str) -> Points:
+        return [(int(m.step), int(m.timestamp), float(m.value)) for m in self._client.get_metric_history(run_id, key)]
+
+    @staticmethod
+    def _bulk_sql(backend: Any, run_ids: list[str], key: str) -> dict[str, Points]:
+        out: dict[str, Points] = {}
+        for i in range(0, len(run_ids), SQL_CHUNK):
+            for m in backend.get_metric_history_bulk(list(run_ids[i : i + SQL_CHUNK]), key, max_results=2**62):
+                out.setdefault(m.run_id, []).append((int(m.step), int(m.timestamp), float(m.value)))
+        return out
+
+    def _bulk_rest(self, backend: Any, run_ids: list[str], key: str) -> dict[str, Points]:
+        from mlflow.utils.rest_utils import http_request_safe
+
+        out: dict[str, Points] = {}
+        for i in range(0, len(run_ids), REST_MAX_RUNS):
+            chunk = list(run_ids[i : i + REST_MAX_RUNS])
+            params = {"run_ids": chunk, "metric_key": key, "max_results": REST_MAX_POINTS}
+            body = http_request_safe(backend.get_host_creds(), REST_BULK, "GET", params=params).json()
+            for m in body.get("metrics", []):
+                out.setdefault(m["run_id"], []).append((int(m.get("step", 0)), int(m.get("timestamp", 0)),
+                                                         float(m["value"])))
+        for run_id, points in list(out.items()):
+            if len(points) >= REST_MAX_POINTS:  # possibly sampled by the server: read it in full
+                out[run_id] = self._points(run_id, key)
+        return out

@@ -13,67 +13,27 @@ controller) stops all N. Such a cell takes N of max_parallel's slots.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fp8rl_core.io.environ import environ
 from fp8rl_core.io.ports import free_port
 from launchers.executors.base import CANCELLED, DONE, FAILED, RUNNING, UNKNOWN, JobHandle, Task
+from launchers.process import cmdline, interrupt, restore_sigint
+
+__all__ = ["LocalExecutor", "controller_alive", "restore_sigint"]  # restore_sigint: launchers.process
 
 CONTROLLER_MODULE = "submitit.local._local"
 NO_TIME_LIMIT_MIN = 60 * 24 * 365  # submitit's local default is 2 minutes; a run takes what it takes
 
 
-def _cmdline(pid: int) -> list[str] | None:
-    """The pid's argv, or None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return None
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except (OSError, IndexError):
-        return None
-
-
 def controller_alive(pid: int, folder: Path | None = None) -> bool:
     """True when `pid` is a live submitit local controller (of `folder`'s jobs, when given)."""
-    argv = _cmdline(pid)
+    argv = cmdline(pid)
     if not argv or CONTROLLER_MODULE not in argv:
         return False
     return folder is None or any(str(folder) in a for a in argv)
-
-
-def restore_sigint() -> None:
-    """Give SIGINT back its KeyboardInterrupt handler when this process inherited it as ignored.
-
-    Why: `nohup sweep run ... &` and `&` in non-interactive shells start a process with SIGINT
-    ignored, and exec'd children inherit that. Local cancellation is SIGINT to each submitit
-    controller (which turns it into KeyboardInterrupt and stops its task), so under an ignored
-    SIGINT `sweep cancel` and Ctrl-C would silently do nothing. A Python handler here is reset to
-    the default on exec, so every process we start can be cancelled again. Main thread only.
-    """
-    import threading
-
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """os.environ with `values` set while a controller starts (submitit copies os.environ for it)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class LocalExecutor:
@@ -103,7 +63,7 @@ class LocalExecutor:
         for task in tasks:
             self._ex.update_parameters(tasks_per_node=task.ranks)
             if task.ranks > 1:  # every rank of the controller's tasks inherits these
-                with _environ(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())):
+                with environ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}):
                     job = self._ex.submit(task.fn, *task.args)
             else:
                 job = self._ex.submit(task.fn, *task.args)
@@ -130,10 +90,7 @@ class LocalExecutor:
         for h in handles:
             pid = int(h.job_id)
             if controller_alive(pid, self.folder):
-                try:
-                    os.kill(pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+                interrupt(pid)
                 self._cancelled.add(h.job_id)
 
     def wait(self, handles: Sequence[JobHandle], timeout_s: float) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fp8rl_core.config import RunConfig, TrackingSpec, run_config_hash
@@ -51,13 +52,19 @@ def cell_tags(sweep: Sweep, cell: Cell) -> dict[str, str]:
 
 def cell_run_config(sweep: Sweep, cell: Cell, run_id: str | None = None,
                     parent_run_id: str | None = None) -> RunConfig:
-    """The config a job runs: the cell's, plus where to write (sweep folder, tracking, tags).
+    """The config a job runs: the cell's, plus where to write (sweep folder, tracking, tags), with its
+    paths absolute: jobs may start in another directory, and the driver logs this one resolved config
+    as the cell run's params before any job runs it (a path resolved later would change a logged
+    param, which MLflow refuses).
 
     Only fields outside the id change (fp8rl_core.config.HASH_EXCLUDE), which is asserted."""
     cfg = copy.deepcopy(cell.config)
     tags = {**cfg.tracking.tags, **cell_tags(sweep, cell)}
+    cache = Path(cfg.warmstart.cache_dir).expanduser()
     cfg = dataclasses.replace(
         cfg, output_dir=str(sweep.folder / CELLS_SUBFOLDER / cell.id),
+        warmstart=cfg.warmstart if cache.is_absolute() else dataclasses.replace(cfg.warmstart,
+                                                                                cache_dir=str(sweep.cwd / cache)),
         tracking=TrackingSpec(uri=sweep.tracking_uri(), experiment=sweep.experiment, run_id=run_id,
                               parent_run_id=parent_run_id, tags=tags))
     if run_config_hash(cfg) != cell.id:  # a HASH_EXCLUDE change would silently re-key every cell

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fp8rl_core.tracking import FINISHED, OPEN_STATUSES
+from fp8rl_core.tracking import RUNNING as RUN_RUNNING
 from launchers.executors.base import ALIVE, RUNNING
 
 WAIT, SKIP, RUN, EXHAUSTED = "wait", "skip", "run", "exhausted"
@@ -58,15 +60,15 @@ def cell_state(mlflow_status: str | None, record: Any | None, job_state: str | N
     """The cell's state (a key of RULES) from its MLflow status, its record and its job's state."""
     if record is not None and record.open_attempt() is not None and job_state in ALIVE:
         return "running" if job_state == RUNNING else "pending"
-    if mlflow_status == "FINISHED":
+    if mlflow_status == FINISHED:
         return "finished"
     if record is not None and record.failures() > retries:
         return "exhausted"
     if mlflow_status is None:
         return "new"
-    if mlflow_status in ("RUNNING", "SCHEDULED"):  # no job of ours alive runs it
+    if mlflow_status in OPEN_STATUSES:  # no job of ours alive runs it
         submitted = record is not None and bool(record.attempts)
-        return "killed" if submitted or mlflow_status == "RUNNING" else "scheduled"
+        return "killed" if submitted or mlflow_status == RUN_RUNNING else "scheduled"
     return mlflow_status.lower()
 
 

@@ -4,35 +4,28 @@ Order matters: the driver first (SIGTERM to the pid in the sweep's driver lock w
 so that it submits nothing more and does not retry what we cancel), then every job on record in ONE
 call per scheduler (`scancel id ...`; SIGINT to local controllers), a bounded wait until they have
 left the queue, and last the MLflow runs: KILLED (cancelled attempts do not count as failures, so
-the next `sweep run` resumes those cells from their checkpoints).
+the next `sweep run` resumes those cells from their checkpoints). Which status each run gets is the
+lifecycle's rule (fp8rl_core.tracking.lifecycle.cancel_status); the runs' statuses are read with one
+MLflow query before the signal and one after, whatever the number of cells.
 """
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, TextIO
 
 from fp8rl_core.tracking import METRICS_FILE
-from fp8rl_core.tracking.store import END_STATUSES, retry_locked
+from fp8rl_core.tracking.lifecycle import PARENT_CANCELLED, Lifecycle
+from fp8rl_core.tracking.store import retry_locked
 from launchers.executors import Executors, JobHandle, by_kind, is_alive
 from launchers.plan.cells import CELLS_SUBFOLDER
+from launchers.process import is_sweep_driver, terminate
 from launchers.run.context import handle_of
 from launchers.run.state import LOCK_FILE, SweepState, is_locked, load_state, save_state
 from launchers.sweepfile.loading import Sweep
 
 DRIVER_WAIT_S = 40.0
 QUEUE_WAIT_S = 60.0
-
-
-def _is_driver(pid: int) -> bool:
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    return any("launchers" in a or a.endswith("sweep") for a in argv) and pid != os.getpid()
 
 
 def driver_pids(sweep: Sweep) -> list[int]:
@@ -45,54 +38,34 @@ def driver_pids(sweep: Sweep) -> list[int]:
         pid = int(words[1]) if len(words) == 2 and words[0] == "pid" else None
     except (OSError, ValueError):
         return []
-    return [pid] if pid is not None and _is_driver(pid) else []
+    return [pid] if pid is not None and is_sweep_driver(pid) else []
 
 
 def stop_drivers(pids: Sequence[int], wait_s: float = DRIVER_WAIT_S) -> list[int]:
     """SIGTERM each driver and wait for it to exit; the pids still alive after `wait_s`."""
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + wait_s
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-        alive = [p for p in alive if _is_driver(p)]
-    return alive
+    return terminate(pids, wait_s, is_sweep_driver)
 
 
 def _run_statuses(sweep: Sweep, state: SweepState, cell_ids: set[str]) -> dict[str, str]:
-    """`{cell_id: status}` of the run each cell's state records (the run its open attempt writes)."""
-    from mlflow import MlflowClient
+    """`{cell_id: status}` of the run each cell's state records (the run its open attempt writes),
+    from ONE MLflow query."""
+    from fp8rl_core.tracking.runs import run_statuses
 
-    client = MlflowClient(sweep.tracking_uri())
-    out: dict[str, str] = {}
-    for cid in cell_ids:
-        rec = state.cells.get(cid)
-        if rec and rec.run_id:
-            out[cid] = retry_locked(client.get_run, rec.run_id).info.status
-    return out
+    run_of = {cid: rec.run_id for cid in cell_ids if (rec := state.cells.get(cid)) and rec.run_id}
+    found = retry_locked(run_statuses, sweep.tracking_uri(), sweep.experiment, list(run_of.values()))
+    return {cid: found[rid] for cid, rid in run_of.items() if rid in found}
 
 
 def _mark_killed(sweep: Sweep, state: SweepState, before: dict[str, str]) -> int:
-    """End KILLED, after shipping what the cell logged (end_run), each run that was open when its job
-    was signalled (`before`: the statuses read just before) and did not finish since.
-
-    Why KILLED even over a FAILED written meanwhile: a run that was open when the cancel came and
-    failed since died of the cancel (SIGINT in the middle of a cleanup, the SIGKILL that follows it
-    after a second, a broken collective on another rank), not of its own error; its attempt counts
-    as cancelled, so `sweep run` resumes it. A run that had ended before the signal keeps its status."""
-    from fp8rl_core.tracking.runs import end_run
-
+    """End each run that was open when its job was signalled (`before`: the statuses read just
+    before) as the lifecycle says for a cancel (KILLED unless it finished since), after shipping
+    what the cell logged."""
+    lifecycle = Lifecycle(sweep.tracking_uri())
     now = _run_statuses(sweep, state, set(before))
     n = 0
     for cid, was in before.items():
-        if was in END_STATUSES or now.get(cid) == "FINISHED":
-            continue
         buffer = sweep.folder / CELLS_SUBFOLDER / cid / METRICS_FILE
-        n += end_run(sweep.tracking_uri(), state.cells[cid].run_id, "KILLED", buffer_path=buffer, only_open=False)
+        n += lifecycle.cancelled(state.cells[cid].run_id, was, now.get(cid), buffer)
     return n
 
 
@@ -145,9 +118,7 @@ def cancel_sweep(sweep: Sweep, out: TextIO) -> int:
     left = cancel_handles(sweep, state, handles + stages, executors) if handles or stages else []
     save_state(sweep.folder, state)
     if state.parent_run_id and (handles or pids):  # a finished sweep's parent run stays as it is
-        from fp8rl_core.tracking.runs import finish_run
-
-        retry_locked(finish_run, sweep.tracking_uri(), state.parent_run_id, "KILLED")
+        Lifecycle(sweep.tracking_uri(), retry=retry_locked).sweep_ended(state.parent_run_id, PARENT_CANCELLED)
     print(f"sweep {sweep.experiment}: cancelled {len(handles)} cell job(s)"
           + (f" and {len(stages)} stage job(s)" if stages else "")
           + (f"; STILL QUEUED: {', '.join(left)}" if left else "; nothing left in the queue"), file=out)

@@ -3,8 +3,10 @@
     rc = run_sweep(load_sweep("sweeps/smoke.yaml"))        # returns when every cell has ended
     rc = run_sweep(sweep, detach=True)                     # submit (SLURM) / start in background, return
 
-The shared steps live in `launchers.run.context.SweepRun`, the watch-and-retry loop in
-`launchers.run.loop.Loop`; this module is the walk that strings them together. One walk: validate
+The shared steps live in the session (`launchers.run.session.SweepSession`), the watch-and-retry
+loop in `launchers.run.loop.SweepLoop` (fed by a cell source: `sources.GridSource` here,
+`search.TrialSource` for an Optuna search); this module is the walk that strings them together and
+the frame every `sweep run` shares (`drive`: background driver, lock, SIGTERM). One walk: validate
 (expand; nothing exists yet if this fails) -> take the sweep's driver lock ->
 MLflow experiment + parent run (created here, so parallel jobs never race to create them) -> ONE
 `cell_states` query + ONE scheduler poll -> per cell: skip / wait / run / exhausted
@@ -17,107 +19,23 @@ sweep, or the tracking server does not answer); 130 stopped (Ctrl-C, SIGTERM).
 """
 from __future__ import annotations
 
-import contextlib
-import signal
-import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from typing import Any, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
-from fp8rl_core.tracking.store import TrackingUnreachable, retry_locked
+from fp8rl_core.tracking.store import TrackingUnreachable
 from launchers.executors import Executor, JobHandle, Task
-from launchers.plan import rules
 from launchers.plan.cells import Cell
 from launchers.plan.grid import expand
-from launchers.run.context import SweepRun, job_config, supersede_outputs
+from launchers.process import spawn_detached, stop_on_sigterm
 from launchers.run.jobs import RunFn, report_stage
-from launchers.run.loop import Loop
+from launchers.run.loop import SweepLoop
+from launchers.run.session import SweepSession
+from launchers.run.sources import GridSource
 from launchers.run.state import DriverBusy, DriverLock, StageJob
 from launchers.sweepfile.loading import Sweep
 
-__all__ = ["Driver", "DriverStopped", "job_config", "run_sweep", "spawn_background", "stop_on_sigterm",
-           "supersede_outputs"]
-
-
-class DriverStopped(Exception):
-    """SIGTERM (e.g. `sweep cancel` stopping a detached driver) or Ctrl-C."""
-
-
-class Driver(SweepRun):
-    # ---- 5) the whole run --------------------------------------------------------------------------
-    def run(self, detach: bool = False, retry_failed: bool = False, report: bool = True) -> int:
-        self.setup()
-        if retry_failed:
-            self.forgive_failures()
-        actions, watch = self.assess([c.id for c in self.cells])
-        counts = {a: sum(v == a for v in actions.values()) for a in sorted(set(actions.values()))}
-        self.say(f"sweep {self.name}: {len(self.cells)} cells: " + ", ".join(f"{n} {a}" for a, n in counts.items())
-                 + f" ({self.sweep.launcher.kind}, folder {self.sweep.folder})")
-        for cid, action in actions.items():
-            if action == rules.EXHAUSTED:
-                self.say(f"  cell {cid} {self.by_id[cid].label()}: failed {self.state.cells[cid].failures()} "
-                         f"time(s), not retried (sweep run FILE --retry-failed)")
-        to_run = [c for c in self.cells if actions[c.id] == rules.RUN]
-        dependency = self.warm_start(to_run) if to_run else None
-        if detach:
-            return self._detach(to_run, dependency)
-        loop = Loop(self, watch, {cid for cid, a in actions.items() if a == rules.SKIP})
-        try:
-            loop.launch(to_run, dependency)
-            loop.loop()
-        except (KeyboardInterrupt, DriverStopped) as e:
-            loop.stop(str(e) or "interrupted")
-            return 130
-        return self.finish(report)
-
-    def _detach(self, to_run: list[Cell], dependency: str | None) -> int:
-        """SLURM only (local --detach runs this driver in the background): submit the cells and the
-        report stage, which waits for all of them (afterany), then return. Retries need a driver:
-        `sweep run FILE` again waits for the live jobs and re-runs what failed."""
-        handles: list[JobHandle] = []
-        if to_run:
-            handles = self.submit(self.tasks_for(to_run), f"afterok:{dependency}" if dependency else None)
-        alive = [a.job_id for _, a in self.state.open_attempts() if a.kind == "slurm"]
-        if alive:
-            from launchers.executors.slurm import base_id
-
-            after = "afterany:" + ":".join(sorted({base_id(j) for j in alive}, key=int))
-            args = (self.uri, self.name, self.name, str(self.sweep.folder / "report"), self.state.parent_run_id,
-                    len(self.cells), dict(self.sweep.spec.analysis), [c.id for c in self.cells])
-            (h,) = self.executor.submit([Task("report", report_stage, args)], after)
-            self.state.stages.append(StageJob("report", h.job_id, h.kind, h.stderr))
-            self.save()
-            self.say(f"submitted {len(handles)} cell job(s) (one array); report stage: job {h.job_id}")
-        self.say(f"follow it: sweep status {self.sweep.name} --watch; stop it: sweep cancel {self.sweep.name}")
-        return 0
-
-    def finish(self, report: bool) -> int:
-        from fp8rl_core.tracking.runs import finish_run
-
-        mlflow = self.mlflow_states()
-        done = sum(mlflow.get(c.id) == "FINISHED" for c in self.cells)
-        failed = [c for c in self.cells if mlflow.get(c.id) != "FINISHED"]
-        for c in failed:
-            err = self.error_of(c.id)
-            self.say(f"  FAILED {c.id} {c.label()}: {err or mlflow.get(c.id) or 'not run'}")
-        fresh = self.changes or not (self.sweep.folder / "report" / "report.md").exists()
-        if report and mlflow and fresh:  # nothing ran and a report exists: it is up to date
-            try:
-                from analysis.config import AnalysisConfig
-                from analysis.report import make_report
-
-                paths = make_report(self.uri, self.name, self.name, self.sweep.folder / "report",
-                                    parent_run_id=self.state.parent_run_id,
-                                    config=AnalysisConfig.from_dict(self.sweep.spec.analysis),
-                                    cell_ids=[c.id for c in self.cells])  # not cells of an earlier file
-                self.say(paths.verdicts_text)
-                self.say(f"report: {paths.report}")
-            except Exception as e:  # a report problem must not hide the cells' outcome
-                self.say(f"report: failed ({type(e).__name__}: {e}); retry with `sweep report {self.sweep.name}`")
-        retry_locked(finish_run, self.uri, self.state.parent_run_id, "FINISHED" if not failed else "FAILED")
-        self.say(f"sweep {self.name}: {done}/{len(self.cells)} cells finished")
-        return 0 if not failed else 1
+__all__ = ["drive", "needs_background_driver", "run_sweep", "spawn_background"]
 
 
 def needs_background_driver(sweep: Sweep) -> bool:
@@ -136,29 +54,62 @@ def spawn_background(sweep: Sweep, retry_failed: bool = False) -> int:
     argv = [sys.executable, "-m", "launchers.cli", "run", sweep.name, *sweep.overrides]
     if retry_failed:
         argv.append("--retry-failed")
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, cwd=sweep.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    print(f"sweep {sweep.experiment}: driver running in the background (pid {proc.pid}), log {log_path}\n"
+    pid = spawn_detached(argv, sweep.cwd, log_path)
+    print(f"sweep {sweep.experiment}: driver running in the background (pid {pid}), log {log_path}\n"
           f"follow it: sweep status {sweep.name} --watch; stop it: sweep cancel {sweep.name}")
     return 0
 
 
-def _raise_stopped(signum: int, frame: Any) -> None:
-    raise DriverStopped(signal.Signals(signum).name)
+def drive(sweep: Sweep, start: Callable[[], int], detach: bool = False, retry_failed: bool = False,
+          executor: Executor | None = None, out: TextIO | None = None) -> int:
+    """The frame of every `sweep run` (grid or search): `--detach` as a background driver where one
+    is needed, else `start()` under the sweep's driver lock with SIGTERM stopping it cleanly.
+    3 when another driver holds the sweep or the tracking server does not answer."""
+    if detach and needs_background_driver(sweep) and executor is None:
+        return spawn_background(sweep, retry_failed)
+    with stop_on_sigterm():
+        try:
+            with DriverLock(sweep.folder):
+                return start()
+        except (DriverBusy, TrackingUnreachable) as e:
+            print(f"sweep run: {e}", file=out or sys.stderr)
+            return 3
 
 
-@contextlib.contextmanager
-def stop_on_sigterm() -> Iterator[None]:
-    """SIGTERM (`sweep cancel` stopping this driver) raises DriverStopped in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def run_grid(session: SweepSession, detach: bool = False, retry_failed: bool = False, report: bool = True) -> int:
+    """The grid's walk: parent run, survey, warm start, then the loop (or, detached on SLURM, submit)."""
+    session.setup()
+    if retry_failed:
+        session.forgive_failures()
+    source = GridSource(session, report)
+    loop = SweepLoop(session, source)
+    if not detach:
+        return loop.drive(source.initial())
+    to_run = loop.admit(source.initial())
+    return submit_detached(session, to_run, session.warm_start(to_run) if to_run else None)
+
+
+def submit_detached(session: SweepSession, to_run: list[Cell], dependency: str | None) -> int:
+    """SLURM only (local --detach runs the driver in the background): submit the cells and the
+    report stage, which waits for all of them (afterany), then return. Retries need a driver:
+    `sweep run FILE` again waits for the live jobs and re-runs what failed."""
+    s = session
+    handles: list[JobHandle] = []
+    if to_run:
+        handles = s.submit(s.tasks_for(to_run), f"afterok:{dependency}" if dependency else None)
+    alive = [a.job_id for _, a in s.state.open_attempts() if a.kind == "slurm"]
+    if alive:
+        from launchers.executors.slurm import base_id
+
+        after = "afterany:" + ":".join(sorted({base_id(j) for j in alive}, key=int))
+        args = (s.uri, s.name, s.name, str(s.sweep.folder / "report"), s.state.parent_run_id,
+                len(s.cells), dict(s.sweep.spec.analysis), [c.id for c in s.cells])
+        (h,) = s.executor.submit([Task("report", report_stage, args)], after)
+        s.state.stages.append(StageJob("report", h.job_id, h.kind, h.stderr))
+        s.save()
+        s.say(f"submitted {len(handles)} cell job(s) (one array); report stage: job {h.job_id}")
+    s.say(f"follow it: sweep status {s.sweep.name} --watch; stop it: sweep cancel {s.sweep.name}")
+    return 0
 
 
 def run_sweep(sweep: Sweep, detach: bool = False, retry_failed: bool = False, executor: Executor | None = None,
@@ -171,13 +122,8 @@ def run_sweep(sweep: Sweep, detach: bool = False, retry_failed: bool = False, ex
     refused = refusal(sweep, cells)  # a cell that cannot fit the memory it requests: nothing is submitted
     if refused is not None:
         raise refused
-    if detach and needs_background_driver(sweep) and executor is None:
-        return spawn_background(sweep, retry_failed)
-    with stop_on_sigterm():
-        try:
-            with DriverLock(sweep.folder):
-                driver = Driver(sweep, cells, executor, run_fn, out, poll_s)
-                return driver.run(detach=detach, retry_failed=retry_failed, report=report)
-        except (DriverBusy, TrackingUnreachable) as e:
-            print(f"sweep run: {e}", file=out or sys.stderr)
-            return 3
+
+    def start() -> int:
+        return run_grid(SweepSession(sweep, cells, executor, run_fn, out, poll_s), detach, retry_failed, report)
+
+    return drive(sweep, start, detach, retry_failed, executor, out)

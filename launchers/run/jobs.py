@@ -63,9 +63,11 @@ def global_rank() -> int:
     return detect_rank_env().rank
 
 
-def _mark_run(cfg: RunConfig, status: str, error: str | None = None) -> None:
-    """Best effort: the cell's MLflow run RUNNING again (a requeue), or ended as `status` unless it
-    already ended itself, after shipping what the cell logged (fp8rl_core.tracking.runs.end_run).
+def _mark_run(cfg: RunConfig, error: BaseException, requeued: bool) -> None:
+    """Best effort: the cell's MLflow run marked as the lifecycle says for `error`
+    (fp8rl_core.tracking.lifecycle.job_status: RUNNING again after a requeue, KILLED on a cancel,
+    FAILED with the error tagged), after shipping what the cell logged; a run that already ended
+    itself is left as it is.
 
     run() marks its run only once its sink is open; a cell that fails before (a config the model
     cannot build, a missing file) would stay SCHEDULED without this."""
@@ -73,14 +75,11 @@ def _mark_run(cfg: RunConfig, status: str, error: str | None = None) -> None:
     if not uri or not run_id or global_rank() != 0:  # rank 0 alone talks to MLflow
         return
     try:
-        from fp8rl_core.tracking.runs import end_run, start_run
+        from fp8rl_core.tracking.lifecycle import Lifecycle
 
-        if status == "RUNNING":
-            start_run(uri, run_id)
-        else:
-            end_run(uri, run_id, status, buffer_path=Path(cfg.output_dir) / METRICS_FILE, error=error)
+        Lifecycle(uri).job_ended(run_id, error, requeued, Path(cfg.output_dir) / METRICS_FILE)
     except Exception as e:  # never hide the cell's own error behind a tracking error
-        log.warning("could not mark MLflow run %s %s: %s", run_id, status, e)
+        log.warning("could not mark MLflow run %s after %s: %s", run_id, type(error).__name__, e)
 
 
 class CellJob(submitit.helpers.Checkpointable):
@@ -98,15 +97,8 @@ class CellJob(submitit.helpers.Checkpointable):
         _say_start(cfg)
         try:
             return (self.run_fn or core_run)(cfg)
-        except SystemExit:
-            if self._requeued:  # submitit exits after requeueing: the run goes on in the next job
-                _mark_run(cfg, "RUNNING")
-            raise
-        except KeyboardInterrupt:  # local cancel (SIGINT)
-            _mark_run(cfg, "KILLED")
-            raise
-        except BaseException as e:
-            _mark_run(cfg, "FAILED", f"{type(e).__name__}: {e}")
+        except BaseException as e:  # SystemExit after a requeue, KeyboardInterrupt (cancel), the cell's error
+            _mark_run(cfg, e, requeued=self._requeued)
             raise
 
     def checkpoint(self, config: dict[str, Any]) -> submitit.helpers.DelayedSubmission:
@@ -165,7 +157,9 @@ def report_stage(uri: str, experiment: str, sweep_name: str, out_dir: str, paren
     the file, are left out of the report). Returns the report's path; the verdicts go to the job's log."""
     from analysis.config import AnalysisConfig
     from analysis.report import make_report
-    from fp8rl_core.tracking.runs import cell_states, finish_run
+    from fp8rl_core.tracking import FINISHED
+    from fp8rl_core.tracking.lifecycle import Lifecycle, grid_parent_status
+    from fp8rl_core.tracking.runs import cell_states
 
     try:
         paths = make_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id,
@@ -174,6 +168,6 @@ def report_stage(uri: str, experiment: str, sweep_name: str, out_dir: str, paren
     finally:
         states = cell_states(uri, experiment, sweep_name)
         current = states if cell_ids is None else {c: states[c] for c in cell_ids if c in states}
-        done = sum(s == "FINISHED" for s in current.values())  # runs of an earlier file's cells do not count
-        finish_run(uri, parent_run_id, "FINISHED" if done >= n_cells else "FAILED")
+        done = sum(s == FINISHED for s in current.values())  # runs of an earlier file's cells do not count
+        Lifecycle(uri).sweep_ended(parent_run_id, grid_parent_status(done, n_cells))
     return str(paths.report)

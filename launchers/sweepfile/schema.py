@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fp8rl_core.config.schema import ConfigError, fail
-from fp8rl_core.tracking import CONTRACT_METRICS
+from fp8rl_core.tracking import CONTRACT_METRICS, M_VAL_ACC
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # The MLflow contract's per-step metrics (docs/design.md, fp8rl_core.tracking): what a search may optimize.
@@ -223,7 +223,7 @@ class SearchParamSpec:
 class SearchSpec:
     params: dict[str, SearchParamSpec] = field(default_factory=dict)  # dotted run-config key -> range
     sampler: Literal["tpe", "random", "grid"] = "tpe"  # Optuna sampler; grid: every combination of the choices
-    metric: str = "val_accuracy"  # the trial's value: this metric's last logged value
+    metric: str = M_VAL_ACC  # the trial's value: this metric's last logged value
     direction: Literal["minimize", "maximize"] = "maximize"  # whether a larger or a smaller metric is better
     n_trials: int | None = None  # required, except for sampler grid (default: the grid's size)
     parallel: int = 1  # trials running at once

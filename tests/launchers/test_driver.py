@@ -17,7 +17,8 @@ from mlflow import MlflowClient
 from fp8rl_core.tracking.runs import ERROR_TAG
 from launchers.plan import rules
 from launchers.plan.grid import expand
-from launchers.run.driver import job_config, run_sweep, supersede_outputs
+from launchers.run.context import job_config, supersede_outputs
+from launchers.run.driver import run_sweep
 from launchers.run.jobs import CellJob
 from launchers.run.state import Attempt, CellRecord, DriverLock, load_state
 from launchers.sweepfile.loading import load_sweep
@@ -180,7 +181,7 @@ def test_a_failed_warm_start_job_is_reported(cwd):
 
 
 def test_local_warm_start_runs_before_any_cell(cwd, monkeypatch):
-    import launchers.run.context as context
+    import launchers.run.session as context
 
     events = []
     monkeypatch.setattr(context, "warm_start_stage", lambda configs: events.append(("warm", len(configs))))

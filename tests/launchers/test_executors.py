@@ -160,7 +160,7 @@ def _sigint_ignored_in_child(restore: bool) -> tuple[bool, bool]:
     import sys
 
     code = ("import signal, subprocess\n"
-            "from launchers.executors.local import restore_sigint\n"
+            "from launchers.process import restore_sigint\n"
             f"{'restore_sigint()' if restore else ''}\n"
             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
             "print(subprocess.run(['grep', 'SigIgn', '/proc/self/status'], capture_output=True, text=True).stdout)")

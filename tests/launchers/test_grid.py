@@ -156,6 +156,9 @@ def test_cell_run_config_sets_where_to_write_and_the_mlflow_tags(tmp_path):
     assert cfg.tracking.tags == cell_tags(sweep, cell) == {
         "sweep": "t", "cell_id": cell.id, "recipe": "bf16", "importance_sampling": "token", "seed": "1"}
     assert run_config_hash(cfg) == cell.id and cell.config.output_dir != cfg.output_dir  # cell left intact
+    # the warm-start cache is resolved here, once: the driver logs this config as the run's params and
+    # every attempt runs it (issue 24: a cache made absolute later changed a logged param)
+    assert cfg.warmstart.cache_dir == str(tmp_path / ".fp8rl" / "warmstart")
 
 
 def test_search_trial_cells():

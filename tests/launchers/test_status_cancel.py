@@ -111,6 +111,21 @@ def test_cancel_scancels_everything_at_once_and_kills_the_runs(cwd, monkeypatch)
     assert len(fake2.submits) == 1 and len(fake2.submits[0][0]) == 2  # resumed, not counted as failures
 
 
+def test_cancel_reads_the_runs_with_one_query_before_and_one_after(cwd, monkeypatch):
+    fake = FakeScheduler(delay=1000)
+    sweep = _detached(cwd, fake, monkeypatch)
+    calls = {"get_run": 0, "search_runs": 0}
+    for name in calls:
+        real = getattr(MlflowClient, name)
+
+        def counted(self, *a, _name=name, _real=real, **k):
+            calls[_name] += 1
+            return _real(self, *a, **k)
+        monkeypatch.setattr(MlflowClient, name, counted)
+    assert cancel_sweep(sweep, io.StringIO()) == 0
+    assert calls == {"get_run": 0, "search_runs": 2}  # not 2 get_run per cell
+
+
 def test_status_watch_returns_once_nothing_is_alive(cwd, monkeypatch):
     fake = FakeScheduler(delay=3)
     sweep = _detached(cwd, fake, monkeypatch)

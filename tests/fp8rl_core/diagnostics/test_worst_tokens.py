@@ -1,4 +1,5 @@
-"""Worst-token tables (unit), and end to end: a tiny real run leaves the table and the explain report in MLflow."""
+"""Worst-token tables and saved rollouts (unit). End to end, a tiny real run leaving the table and the explain
+report in MLflow: tests/analysis/test_explain.py."""
 from __future__ import annotations
 
 import json
@@ -56,6 +57,21 @@ def test_non_finite_differences_rank_first_and_eos_is_named():
     assert rows[0]["row"] == 1 and rows[0]["token"] == "<eos>" and rows[0]["is_weight"] == 1.0
 
 
+def test_every_eos_id_is_named():
+    """A model with several EOS ids (config.json + generation_config.json): each one reads "<eos>"."""
+    from fp8rl_core.model.tokenizer import Tokenizer
+
+    base = char_tokenizer()
+    other = base.vocab_size - 2  # a second stop id, as Llama-3.1-Instruct's <|eot_id|>
+    tok = Tokenizer(base.tok, bos_id=1, eos_id=2, pad_id=0, extra_eos_ids=[other])
+    ids, am, rm, gen, L = _batch(tok)
+    ids[0, L[0] + 2] = other  # row 0 ends on the second EOS id, row 1 on the first
+    train = gen.clone()
+    train[0, L[0] + 2], train[1, L[1] + 1] = -5.0, -4.0
+    rows = worst_tokens(ids, am, rm, train, gen, None, tok, k=2, context_tokens=2, step=1)
+    assert [(r["row"], r["token_id"], r["token"]) for r in rows] == [(0, other, "<eos>"), (1, 2, "<eos>")]
+
+
 def test_append_rows_keeps_one_copy_of_recomputed_steps(tmp_path):
     path = tmp_path / "t.jsonl"
     for step in (1, 2, 3):
@@ -67,50 +83,6 @@ def test_append_rows_keeps_one_copy_of_recomputed_steps(tmp_path):
         f.write('{"step": 3, "ra')  # a kill mid-write
     append_rows(path, 3, [{"step": 3, "rank": 1}])
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
-
-
-def test_explain_without_rollouts_says_what_is_missing(tmp_path, capsys):
-    from fp8rl_core.cli import main
-
-    assert main(["explain", str(tmp_path)]) == 2
-    assert "no replayable rollout" in capsys.readouterr().err
-    assert main(["explain", str(tmp_path), "--variants", "bf16,nope"]) == 2
-
-
-@pytest.mark.slow
-def test_tiny_run_logs_worst_tokens_and_explain_report_to_mlflow(tmp_path, capsys):
-    from mlflow import MlflowClient
-
-    from fp8rl_core.cli import main
-    from fp8rl_core.config import load_run_config
-    from fp8rl_core.loop.run import run
-
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    out = tmp_path / "run"
-    cfg = load_run_config(None, [
-        f"output_dir={out}", f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=10",
-        "warmstart.batch_size=16", "train.steps=3", "train.val_every=3", "train.checkpoint_every=2",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4",
-        "task.val_size=4", "threads=1", "recipe=fp8_gen", f"tracking.uri={uri}", "diagnostics.worst_tokens_k=3"])
-    metrics = run(cfg, progress=False)
-    assert "logprob_abs_diff_frac_gt_1" in metrics and "rollout_corr_chi2_token" in metrics
-    table = [json.loads(x) for x in (out / "diagnostics" / "worst_tokens.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in table}) == [1, 2, 3] and all(len(r["prompt"]) > 0 for r in table)
-    # rollouts next to the weights that generated them: step 1 (warm start) and 3 (checkpoint 2)
-    assert sorted(p.name for p in (out / "rollouts").iterdir()) == ["step_00000001.pt", "step_00000003.pt"]
-    client = MlflowClient(uri)
-    run_id = (out / "mlflow_run_id").read_text().strip()
-    assert "diagnostics/worst_tokens.jsonl" in [a.path for a in client.list_artifacts(run_id, "diagnostics")]
-
-    assert main(["explain", str(out), "--rows", "2", "--variants", "bf16,kernels,as_run"]) == 0
-    printed = capsys.readouterr().out
-    assert "| bf16 | 1.000000 |" in printed and "| kernels |" in printed
-    folder = out / "diagnostics" / "explain_step_00000003"
-    results = {v["name"]: v for v in json.loads((folder / "results.json").read_text())}
-    assert results["bf16"]["metrics"]["token_mult_prob_error"] == 1.0
-    assert len(results["kernels"]["layer_rel_err"]) == 4 and (folder / "per_layer.png").stat().st_size > 0
-    logged = [a.path for a in client.list_artifacts(run_id, "diagnostics/explain_step_00000003")]
-    assert {"report.md", "per_layer.png", "results.json"} <= {p.rsplit("/", 1)[1] for p in logged}
 
 
 def test_rollouts_whose_weights_were_pruned_are_deleted(tmp_path):

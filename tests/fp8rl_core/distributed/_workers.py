@@ -9,6 +9,7 @@ import torch
 from fp8rl_core.algorithms import grpo
 from fp8rl_core.algorithms.importance import compute_importance
 from fp8rl_core.config import LossSpec, OptimSpec
+from fp8rl_core.config.recipe import RECIPES
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.loop.step import _global_stats
@@ -95,7 +96,7 @@ def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_si
     """This rank's rows of global_batch(), one engine step; returns global metrics and the weight update.
     weight_cache False: every Fp8Linear quantizes its weight at every forward (the reference)."""
     torch.manual_seed(0)
-    engine = NativeTrainingEngine(build_model(CFG), fp8_training=recipe == "fp8_e2e", loss=LOSS, optim=OPTIM,
+    engine = NativeTrainingEngine(build_model(CFG), recipe=RECIPES[recipe], loss=LOSS, optim=OPTIM,
                                   compute_dtype=torch.bfloat16 if compute == "bf16" else torch.float32,
                                   mesh=mesh, micro_batch_size=micro_batch_size, logprob_batch_size=logprob_batch_size,
                                   cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,

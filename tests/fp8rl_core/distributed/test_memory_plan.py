@@ -154,15 +154,15 @@ def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str) -> No
     """Refit, generate, old log-probs, two train steps (AdamW state exists in the second)."""
     import torch
 
+    from fp8rl_core.config.recipe import RECIPES
     from fp8rl_core.engines.base import SamplingParams, TrainBatch
     from fp8rl_core.engines.native_gen import NativeGenerationEngine
     from fp8rl_core.engines.native_train import NativeTrainingEngine
     from fp8rl_core.model import build_model
 
-    fp8 = recipe == "fp8_e2e"
     torch.manual_seed(0)
-    train = NativeTrainingEngine(build_model(cfg), fp8_training=fp8)
-    gen = NativeGenerationEngine(cfg, fp8=recipe != "bf16", dtype=torch.bfloat16, device="cpu", seed=0)
+    train = NativeTrainingEngine(build_model(cfg), recipe=RECIPES[recipe])
+    gen = NativeGenerationEngine(cfg, recipe=RECIPES[recipe], dtype=torch.bfloat16, device="cpu", seed=0)
     gen.refit(train.weights())
     gen.generate(torch.randint(3, cfg.vocab_size, (rows, prompt)).tolist(),
                  SamplingParams(max_new_tokens=new, temperature=1.0))

@@ -6,6 +6,7 @@ import pytest
 import torch
 from _workers import CFG, global_batch
 
+from fp8rl_core.config.recipe import BF16, RECIPES
 from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
 from fp8rl_core.fp8 import Fp8Linear
 
@@ -22,8 +23,9 @@ def test_reference_matches_the_policy_it_was_copied_from(fp8):
     with torch.no_grad():
         for p in policy_model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    policy = NativeTrainingEngine(policy_model, fp8_training=fp8)
-    ref = ReferencePolicy(ref_model, device="cpu", fp8=fp8, logprob_batch_size=3)
+    recipe = RECIPES["fp8_e2e"] if fp8 else BF16
+    policy = NativeTrainingEngine(policy_model, recipe=recipe)
+    ref = ReferencePolicy(ref_model, device="cpu", recipe=recipe, logprob_batch_size=3)
     assert not any(p.requires_grad for p in ref.model.parameters())
     assert {p.dtype for p in ref.model.parameters()} == {torch.bfloat16}
     assert any(isinstance(m, Fp8Linear) for m in ref.model.modules()) == fp8

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config.recipe import RECIPES, resolve_recipe
 from fp8rl_core.engines.megatron_convert import (
     FP32_SCALES_ENV,
     expected_hf_keys,
@@ -78,17 +79,17 @@ def test_qwen2_hf_dict_maps_bias_and_tied_embeddings():
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_gen"])
 def test_recipes_without_fp8_training_set_no_fp8(recipe):
-    assert "fp8" not in transformer_config_kwargs(LLAMA, recipe)
-    assert fp8_env(recipe) == {}
+    assert "fp8" not in transformer_config_kwargs(LLAMA, RECIPES[recipe])
+    assert fp8_env(RECIPES[recipe]) == {}
 
 
 def test_fp8_e2e_maps_to_te_blockwise_with_fp32_scales():
-    kw = transformer_config_kwargs(LLAMA, "fp8_e2e")
+    kw = transformer_config_kwargs(LLAMA, RECIPES["fp8_e2e"])
     assert (kw["fp8"], kw["fp8_recipe"], kw["fp8_param"], kw["fp8_wgrad"]) == ("e4m3", "blockwise", False, True)
     assert "first_last_layers_bf16" not in kw
-    assert fp8_env("fp8_e2e") == {FP32_SCALES_ENV: "1"}
-    assert fp8_env("fp8_e2e", Fp8Spec(power_of_two_scales=True)) == {FP32_SCALES_ENV: "0"}
-    kw = transformer_config_kwargs(LLAMA, "fp8_e2e", Fp8Spec(bf16_first_layers=1, bf16_last_layers=0))
+    assert fp8_env(RECIPES["fp8_e2e"]) == {FP32_SCALES_ENV: "1"}
+    assert fp8_env(resolve_recipe("fp8_e2e", Fp8Spec(power_of_two_scales=True))) == {FP32_SCALES_ENV: "0"}
+    kw = transformer_config_kwargs(LLAMA, resolve_recipe("fp8_e2e", Fp8Spec(bf16_first_layers=1, bf16_last_layers=0)))
     assert (kw["first_last_layers_bf16"], kw["num_layers_at_start_in_bf16"], kw["num_layers_at_end_in_bf16"]) == (
         True, 1, 0)
 
@@ -98,8 +99,9 @@ def test_real_transformer_config_accepts_the_kwargs():
         warnings.simplefilter("ignore")
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        c = TransformerConfig(**transformer_config_kwargs(QWEN2, "fp8_e2e", Fp8Spec(bf16_last_layers=1)))
-        bf16 = TransformerConfig(**transformer_config_kwargs(LLAMA, "bf16"))
+        kept_last = resolve_recipe("fp8_e2e", Fp8Spec(bf16_last_layers=1))
+        c = TransformerConfig(**transformer_config_kwargs(QWEN2, kept_last))
+        bf16 = TransformerConfig(**transformer_config_kwargs(LLAMA, RECIPES["bf16"]))
     assert (c.num_layers, c.hidden_size, c.ffn_hidden_size, c.num_query_groups, c.kv_channels) == (3, 48, 80, 2, 8)
     assert (c.normalization, c.gated_linear_unit, c.add_qkv_bias, c.add_bias_linear) == ("RMSNorm", True, True, False)
     fp8 = (c.fp8, c.fp8_recipe, c.first_last_layers_bf16, c.num_layers_at_end_in_bf16)

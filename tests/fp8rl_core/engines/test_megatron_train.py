@@ -24,7 +24,7 @@ import pytest
 import torch
 from _train_batches import B, T, make_batch
 
-from fp8rl_core.config import run_config_from_dict
+from fp8rl_core.config import recipe_of, run_config_from_dict
 from fp8rl_core.engines.megatron_convert import hf_to_megatron, load_megatron_state, megatron_to_hf
 from fp8rl_core.engines.megatron_train import (
     MegatronTrainingEngine,
@@ -43,6 +43,14 @@ QWEN2_TIED = ModelConfig(vocab_size=32, hidden_size=48, intermediate_size=64, nu
                          num_attention_heads=6, num_key_value_heads=2, model_type="qwen2", attention_bias=True,
                          tie_word_embeddings=True, rope_theta=1000000.0)
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron.*")
+
+
+def engine_args(run) -> dict:
+    """MegatronTrainingEngine's keyword arguments taken from a run config (as loop/builder.py passes them)."""
+    from fp8rl_core.loop.builder import compute_dtype
+
+    return dict(recipe=recipe_of(run), megatron=run.engines.megatron, loss=run.loss, optim=run.optim,
+                temperature=run.rollout.temperature, compute_dtype=compute_dtype(run))
 
 
 def random_model(cfg: ModelConfig, seed: int = 0):
@@ -126,7 +134,7 @@ def _engines(cfg: ModelConfig, dtype: str, **overrides):
     ours = random_model(cfg)
     native = NativeTrainingEngine(copy.deepcopy(ours), loss=run.loss, optim=run.optim, temperature=0.7,
                                   compute_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-    mega = MegatronTrainingEngine.from_gpt_model(cpu_gpt(cfg), cfg, ours.state_dict(), run)
+    mega = MegatronTrainingEngine.from_gpt_model(cpu_gpt(cfg), cfg, ours.state_dict(), **engine_args(run))
     return native, mega
 
 
@@ -193,7 +201,7 @@ def _cfg(recipe: str = "bf16"):
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_e2e"])
 def test_without_cuda_the_engine_says_what_to_install(tmp_path, recipe):
     with pytest.raises(RuntimeError) as info:
-        MegatronTrainingEngine(_cfg(recipe), tmp_path)
+        MegatronTrainingEngine(tmp_path, **engine_args(_cfg(recipe)), seed=0)
     msg = str(info.value)
     assert "engines.training=megatron" in msg and "CUDA" in msg and "pip install 'fp8rl[megatron]'" in msg
     assert "engines.training=native" in msg
@@ -206,7 +214,7 @@ def test_missing_megatron_core_is_named(tmp_path, monkeypatch):
     absent = ("megatron", "transformer_engine")
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n.startswith(absent) else real(n, *a))
     with pytest.raises(RuntimeError, match=r"megatron-core.*transformer-engine.*pip install 'fp8rl\[megatron\]'"):
-        MegatronTrainingEngine(_cfg("fp8_e2e"), tmp_path)
+        MegatronTrainingEngine(tmp_path, **engine_args(_cfg("fp8_e2e")), seed=0)
 
 
 def test_apply_env_refuses_once_transformer_engine_is_imported(monkeypatch):
@@ -260,16 +268,14 @@ def test_cuda_engine_matches_native_engine(tmp_path, recipe, dtype, bound):
 
 def _cuda_child(recipe: str, dtype: str, folder: str) -> dict:
     from fp8rl_core.algorithms.metrics import token_mult_prob_error
-    from fp8rl_core.config.recipe import get_recipe
     from fp8rl_core.model import load_pretrained, save_pretrained
 
     path = Path(folder)
     save_pretrained(random_model(CUDA_CFG), path)
     run = run_config_from_dict({"recipe": recipe, "device": "cuda", "model": {"dtype": dtype},
                                 "engines": {"training": "megatron"}, "optim": {"lr": 1e-3}})
-    mega = MegatronTrainingEngine(run, path)
-    native = NativeTrainingEngine(load_pretrained(path).cuda(), fp8_training=get_recipe(recipe).fp8_training,
-                                  fp8_spec=run.fp8, loss=run.loss, optim=run.optim,
+    mega = MegatronTrainingEngine(path, **engine_args(run), seed=run.seed)
+    native = NativeTrainingEngine(load_pretrained(path).cuda(), recipe=recipe_of(run), loss=run.loss, optim=run.optim,
                                   compute_dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     batch = make_batch(CUDA_CFG.vocab_size)
     lp_m, lp_n = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()

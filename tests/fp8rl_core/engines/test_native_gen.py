@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import transformers
 
 from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config.recipe import BF16, RECIPES, resolve_recipe
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
@@ -20,6 +21,7 @@ from fp8rl_core.model.config import ModelConfig
 SMALL = dict(vocab_size=48, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
 PROMPTS = [[1, 5, 7, 9, 11], [1, 3], [1, 4, 4, 8, 15, 16, 23, 42]]
+FP8 = RECIPES["fp8_gen"]  # FP8 generation, default knobs
 
 
 def hf_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
@@ -327,7 +329,7 @@ def test_fp8_linears_match_float64_reference_on_the_engines_activations(head_dim
     cfg = ModelConfig(**FP8_CFG, head_dim=head_dim, attention_bias=True, model_type="qwen2")
     model = hf_model(cfg)
     weights = model.state_dict()
-    engine = engine_for(model, cfg, fp8=True, fp8_spec=spec)
+    engine = engine_for(model, cfg, recipe=resolve_recipe("fp8_gen", spec))
     calls = []
     real_call = native_gen.FusedLinear.__call__
     monkeypatch.setattr(native_gen.FusedLinear, "__call__",
@@ -360,7 +362,7 @@ def test_fp8_prefill_tracks_float64_reference(head_dim, spec):
     cfg = ModelConfig(**FP8_CFG, head_dim=head_dim)
     model = hf_model(cfg)
     weights = model.state_dict()
-    engine = engine_for(model, cfg, fp8=True, fp8_spec=spec)  # FP32 dtype: only FP8 rounds coarsely
+    engine = engine_for(model, cfg, recipe=resolve_recipe("fp8_gen", spec))  # FP32 dtype: only FP8 rounds coarsely
     fp8_layers = {i for i in range(cfg.num_hidden_layers) if engine.is_fp8_block(i)}
     assert fp8_layers == set(range(spec.bf16_first_layers, cfg.num_hidden_layers - spec.bf16_last_layers))
     ids = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -379,8 +381,8 @@ def test_fp8_refit_quantizes_once_and_keeps_the_rest_in_dtype(monkeypatch):
     real = native_gen.quantize_weight
     monkeypatch.setattr(native_gen, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = ModelConfig(**FP8_CFG, head_dim=48)
-    engine = engine_for(hf_model(cfg), cfg, dtype=torch.bfloat16, fp8=True,
-                        fp8_spec=Fp8Spec(bf16_last_layers=1))
+    engine = engine_for(hf_model(cfg), cfg, dtype=torch.bfloat16,
+                        recipe=resolve_recipe("fp8_gen", Fp8Spec(bf16_last_layers=1)))
     assert len(calls) == 4 * 2  # qkv, o, gate_up, down of blocks 0 and 1
     for i, blk in enumerate(engine.blocks):
         for lin in (blk.qkv, blk.o, blk.gate_up, blk.down):
@@ -403,7 +405,7 @@ def test_fused_fp8_qkv_equals_per_projection_quantization():
 
     cfg = ModelConfig(**FP8_CFG, head_dim=48)  # q 192 rows, k/v 96: not multiples of 128
     model = hf_model(cfg)
-    qkv = engine_for(model, cfg, fp8=True).blocks[0].qkv
+    qkv = engine_for(model, cfg, recipe=FP8).blocks[0].qkv
     for name, start, size in zip("qkv", qkv.starts, qkv.sizes):
         alone = quantize_weight(model.state_dict()[f"model.layers.0.self_attn.{name}_proj.weight"])
         assert torch.equal(qkv.weight.q[start:start + size].float(), alone.q.float())
@@ -414,7 +416,7 @@ def test_fp8_bf16_generation_is_finite_and_close_to_bf16():
     cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(cfg)
     bf16 = engine_for(model, cfg, dtype=torch.bfloat16)
-    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, fp8=True)
+    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8)
     out = fp8.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=0))
     assert torch.isfinite(out.logprobs).all() and out.response_mask.all()
     errors = []
@@ -466,7 +468,7 @@ def test_emulate_bf16_runs_no_bf16_kernel(monkeypatch, fp8):
     and prompt length, two bmm's per layer and decode step); FP8 layers keep their FP8 GEMMs."""
     cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(cfg)
-    engine = engine_for(model, cfg, dtype=torch.bfloat16, fp8=fp8, emulate_bf16=True)
+    engine = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8 if fp8 else BF16, emulate_bf16=True)
     assert engine.emulate_bf16 and all(blk.qkv.packed is None and blk.down.packed is None for blk in engine.blocks)
     calls = spy_matmuls(monkeypatch)
     steps, layers = 4, cfg.num_hidden_layers
@@ -518,7 +520,7 @@ def test_score_returns_generates_logprobs_bit_for_bit(fp8, path):
         pytest.skip(missing_bf16_dot())
     prompts = PROMPTS + [[1, 2, 3, 4, 6, 7, 9, 10, 12, 13, 2]] + PROMPTS[:2]
     sp = SamplingParams(max_new_tokens=8, temperature=0.7, seed=4)
-    kw = dict(dtype=torch.bfloat16, fp8=fp8, emulate_bf16=path == "emulated")
+    kw = dict(dtype=torch.bfloat16, recipe=FP8 if fp8 else BF16, emulate_bf16=path == "emulated")
     base = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(base)
     free = engine_for(model, base, **kw).generate(prompts, sp)
@@ -539,7 +541,7 @@ def test_score_on_a_bf16_engine_of_fp8_samples_differs_but_stays_close():
     test_fp8_bf16_generation_is_finite_and_close_to_bf16)."""
     cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(cfg)
-    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, fp8=True, emulate_bf16=True)
+    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8, emulate_bf16=True)
     bf16 = engine_for(model, cfg, dtype=torch.bfloat16, emulate_bf16=True)
     out = fp8.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
     lp = bf16.score(PROMPTS, out, 1.0)

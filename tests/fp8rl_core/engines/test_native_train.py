@@ -11,12 +11,14 @@ from _train_batches import PROMPT, B, T, make_batch
 from torch import nn
 
 from fp8rl_core.config import Fp8Spec, LossSpec, OptimSpec
+from fp8rl_core.config.recipe import BF16, RECIPES, resolve_recipe
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.engines.native_train import NativeTrainingEngine
 from fp8rl_core.fp8 import Fp8Linear
 from fp8rl_core.model import ModelConfig, build_model
 from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
 
+E2E = RECIPES["fp8_e2e"]  # FP8 training, default knobs
 CFG = ModelConfig(vocab_size=32, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)
 
@@ -102,7 +104,7 @@ def test_sft_steps_reduce_cross_entropy():
 def test_fp8_e2e_uses_fp8_linear_and_trains():
     model, batch = make_model(), make_batch(CFG.vocab_size)
     bf16 = NativeTrainingEngine(make_model()).logprobs(batch)
-    engine = NativeTrainingEngine(model, fp8_training=True, fp8_spec=Fp8Spec(bf16_first_layers=1))
+    engine = NativeTrainingEngine(model, recipe=resolve_recipe("fp8_e2e", Fp8Spec(bf16_first_layers=1)))
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert kinds["lm_head"] is nn.Linear
     assert all(k is nn.Linear for n, k in kinds.items() if n.startswith("model.layers.0."))
@@ -122,12 +124,12 @@ def test_fp8_e2e_uses_fp8_linear_and_trains():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_state_dict_round_trip_reproduces_next_step_bit_exactly(fp8):
     batch = make_batch(CFG.vocab_size)
-    a = NativeTrainingEngine(make_model(0), fp8_training=fp8, optim=OptimSpec(lr=1e-3, weight_decay=0.01))
+    a = NativeTrainingEngine(make_model(0), recipe=E2E if fp8 else BF16, optim=OptimSpec(lr=1e-3, weight_decay=0.01))
     a.train_step(batch)
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     a.train_step(batch)
-    b = NativeTrainingEngine(make_model(7), fp8_training=fp8, optim=OptimSpec(lr=1e-3, weight_decay=0.01))
+    b = NativeTrainingEngine(make_model(7), recipe=E2E if fp8 else BF16, optim=OptimSpec(lr=1e-3, weight_decay=0.01))
     buf.seek(0)
     b.load_state_dict(torch.load(buf, weights_only=True))
     b.train_step(batch)
@@ -206,7 +208,7 @@ def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monke
 
     model, batch = make_model(), make_batch(CFG.vocab_size)
     names = set(make_model().state_dict())
-    engine = NativeTrainingEngine(model, emulate_bf16=True, fp8_training=fp8)
+    engine = NativeTrainingEngine(model, emulate_bf16=True, recipe=E2E if fp8 else BF16)
     assert engine.emulate_bf16
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plain = sorted(n for n, k in kinds.items() if k is EmulatedBf16Linear)

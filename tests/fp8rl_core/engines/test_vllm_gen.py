@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fp8rl_core.config import Fp8Spec, run_config_from_dict
+from fp8rl_core.config.recipe import BF16, RECIPES, resolve_recipe
 from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.model.config import ModelConfig
@@ -24,6 +25,12 @@ from fp8rl_core.model.config import ModelConfig
 # hidden 192 and intermediate 320 are not multiples of 128: partial [128, 128] blocks everywhere
 ODD = ModelConfig(vocab_size=40, hidden_size=192, intermediate_size=320, num_hidden_layers=2,
                   num_attention_heads=3, num_key_value_heads=1)
+FP8 = RECIPES["fp8_gen"]  # FP8 generation, default knobs
+
+
+def fp8_gen(**knobs):
+    """The fp8_gen recipe with the run config's `fp8.*` knobs set."""
+    return resolve_recipe("fp8_gen", Fp8Spec(**knobs))
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -69,11 +76,11 @@ def test_availability_error_names_the_fix():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
                     reason="vLLM and CUDA are both here: the engine can be built")
 def test_engine_construction_without_vllm_or_cuda_raises(tmp_path):
-    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.loop.builder import vllm_engine
 
     cfg = run_config_from_dict({"engines": {"generation": "vllm"}, "output_dir": str(tmp_path)})
     with pytest.raises(RuntimeError, match=r"engines.generation='vllm' cannot run here") as info:
-        VllmGenerationEngine(cfg, ModelConfig())
+        vllm_engine(cfg, ModelConfig())
     msg = str(info.value)
     assert ("pip install 'fp8rl[vllm]'" in msg) == (importlib.util.find_spec("vllm") is None)
     assert ("CUDA GPU" in msg) == (not torch.cuda.is_available())
@@ -92,9 +99,9 @@ def test_builder_reaches_the_vllm_backend(tmp_path):
 # ---- refit tensors -------------------------------------------------------------------------------
 def test_refit_tensors_reconstruct_within_the_e4m3_bound():
     weights = random_weights(ODD)
-    pairs = conv.refit_tensors(weights, ODD, Fp8Spec(), dtype=torch.bfloat16)
+    pairs = conv.refit_tensors(weights, ODD, FP8, dtype=torch.bfloat16)
     got = dict(pairs)
-    fp8_names = conv.fp8_weight_names(ODD, Fp8Spec())
+    fp8_names = conv.fp8_weight_names(ODD, FP8)
     assert len(fp8_names) == 2 * 7
     for name in fp8_names:
         q, s = got[name], got[name + "_scale_inv"]
@@ -119,18 +126,17 @@ def test_refit_tensors_keep_layers_tied_head_and_order():
     cfg = dataclasses.replace(ODD, tie_word_embeddings=True, num_hidden_layers=3)
     weights = random_weights(cfg)
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"]  # trainer state dicts list both
-    spec = Fp8Spec(bf16_first_layers=1, bf16_last_layers=1)
-    names = [n for n, _ in conv.refit_tensors(weights, cfg, spec)]
+    names = [n for n, _ in conv.refit_tensors(weights, cfg, fp8_gen(bf16_first_layers=1, bf16_last_layers=1))]
     assert "lm_head.weight" not in names
     scaled = {n[: -len("_scale_inv")] for n in names if n.endswith("_scale_inv")}
     assert scaled == {f"model.layers.1.{lin}.weight" for lin in conv.LINEARS}
     assert names.index("model.layers.0.mlp.down_proj.weight") < names.index("model.layers.1.self_attn.q_proj.weight")
     # no FP8 at all (bf16 recipe)
-    assert not any(n.endswith("_scale_inv") for n, _ in conv.refit_tensors(weights, cfg, None))
+    assert not any(n.endswith("_scale_inv") for n, _ in conv.refit_tensors(weights, cfg, BF16))
 
 
 def test_refit_tensors_power_of_two_scales():
-    pairs = dict(conv.refit_tensors(random_weights(ODD), ODD, Fp8Spec(power_of_two_scales=True)))
+    pairs = dict(conv.refit_tensors(random_weights(ODD), ODD, fp8_gen(power_of_two_scales=True)))
     s = pairs["model.layers.0.mlp.up_proj.weight_scale_inv"].double()
     assert torch.equal(torch.exp2(torch.log2(s).round()), s)
 
@@ -139,11 +145,11 @@ def test_refit_tensors_reject_bad_state_dicts():
     weights = random_weights(ODD)
     del weights["model.norm.weight"]
     with pytest.raises(KeyError, match="model.norm.weight"):
-        conv.refit_tensors(weights, ODD, Fp8Spec())
+        conv.refit_tensors(weights, ODD, FP8)
     weights = random_weights(ODD)
     weights["model.layers.1.mlp.gate_proj.weight"][3, 5] = float("nan")
     with pytest.raises(ValueError, match="model.layers.1.mlp.gate_proj.weight"):
-        conv.refit_tensors(weights, ODD, Fp8Spec())
+        conv.refit_tensors(weights, ODD, FP8)
 
 
 def test_write_checkpoint_is_the_blockwise_fp8_format(tmp_path):
@@ -152,7 +158,7 @@ def test_write_checkpoint_is_the_blockwise_fp8_format(tmp_path):
     from fp8rl_core.model import load_pretrained
 
     weights = random_weights(ODD)
-    path = conv.write_checkpoint(weights, ODD, tmp_path / "ckpt", fp8=True, spec=Fp8Spec(bf16_last_layers=1))
+    path = conv.write_checkpoint(weights, ODD, tmp_path / "ckpt", recipe=fp8_gen(bf16_last_layers=1))
     hf = json.loads((path / "config.json").read_text())
     q = hf["quantization_config"]
     assert {k: q[k] for k in conv.FP8_QUANT_CONFIG} == conv.FP8_QUANT_CONFIG
@@ -162,7 +168,7 @@ def test_write_checkpoint_is_the_blockwise_fp8_format(tmp_path):
     assert stored["model.layers.1.self_attn.k_proj.weight"].dtype == torch.bfloat16  # kept block
     assert "model.layers.1.self_attn.k_proj.weight_scale_inv" not in stored
     # the checkpoint's FP8 tensors are the refit's: one quantization, whichever path loads it
-    refit = dict(conv.refit_tensors(weights, ODD, Fp8Spec(bf16_last_layers=1)))
+    refit = dict(conv.refit_tensors(weights, ODD, fp8_gen(bf16_last_layers=1)))
     for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"):
         assert torch.equal(stored[name].view(torch.uint8) if stored[name].dtype == torch.float8_e4m3fn
                            else stored[name], refit[name].view(torch.uint8)
@@ -179,8 +185,7 @@ def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
     from fp8rl_core.config import VllmSpec
 
     opts = VllmSpec(gpu_memory_utilization=0.25, enforce_eager=True)
-    spec = Fp8Spec(bf16_first_layers=1)
-    kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=spec, dtype="bfloat16", seed=7, vllm=opts,
+    kw = conv.llm_kwargs(tmp_path, ODD, recipe=fp8_gen(bf16_first_layers=1), dtype="bfloat16", seed=7, vllm=opts,
                          max_model_len=40, supported={"logprobs_mode", "enable_sleep_mode"})
     assert kw["quantization"] == "fp8" and kw["skip_tokenizer_init"] and kw["seed"] == 7
     qc = kw["hf_overrides"]["quantization_config"]
@@ -190,26 +195,26 @@ def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["max_model_len"] == 40
     assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
     assert kw["gpu_memory_utilization"] == 0.25 and "kv_cache_memory_bytes" not in kw
-    plain = conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0,
+    plain = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0,
                             vllm=VllmSpec(sleep_between_steps=False), max_model_len=40, supported=set())
     assert "quantization" not in plain and "hf_overrides" not in plain and "logprobs_mode" not in plain
     assert "enable_sleep_mode" not in plain
-    assert "ignored_layers" not in conv.fp8_quantization_config(ODD, Fp8Spec())
+    assert "ignored_layers" not in conv.fp8_quantization_config(ODD, FP8)
 
 
 def test_llm_kwargs_refuse_fp8_with_fp32_and_missing_engine_arguments(tmp_path):
     from fp8rl_core.config import VllmSpec
 
     with pytest.raises(ValueError, match="model.dtype: vLLM's FP8 method runs bfloat16 / float16"):
-        conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=Fp8Spec(), dtype="float32", seed=0, vllm=VllmSpec(),
+        conv.llm_kwargs(tmp_path, ODD, recipe=FP8, dtype="float32", seed=0, vllm=VllmSpec(),
                         max_model_len=40, supported=set())
     kv = VllmSpec(kv_cache_memory_bytes=2**30, max_num_seqs=64, tensor_parallel_size=2, enforce_eager=False)
-    kw = conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0, vllm=kv,
+    kw = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=kv,
                          max_model_len=40, supported={"kv_cache_memory_bytes", "max_num_seqs", "enable_sleep_mode"})
     assert (kw["kv_cache_memory_bytes"], kw["max_num_seqs"], kw["tensor_parallel_size"], kw["enforce_eager"]) \
         == (2**30, 64, 2, False)
     with pytest.raises(ValueError, match="engines.vllm.kv_cache_memory_bytes: this vLLM has no"):
-        conv.llm_kwargs(tmp_path, ODD, fp8=False, spec=Fp8Spec(), dtype="bfloat16", seed=0, vllm=kv,
+        conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=kv,
                         max_model_len=40, supported={"model", "max_num_seqs", "enable_sleep_mode"})
 
 
@@ -409,10 +414,10 @@ def fake_vllm(monkeypatch):
 
 
 def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
-    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.loop.builder import vllm_engine
 
     cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path), "seed": 4})
-    engine = VllmGenerationEngine(cfg, ODD)
+    engine = vllm_engine(cfg, ODD)
     with pytest.raises(RuntimeError, match="refit"):
         engine.generate([[1, 2]], SamplingParams(max_new_tokens=3))
     weights = random_weights(ODD)
@@ -450,12 +455,12 @@ def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
 
 def test_engine_refuses_fp8_with_fp32_activations(fake_vllm, tmp_path):
     from fp8rl_core.config import RunConfig
-    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.loop.builder import vllm_engine
 
     cfg = RunConfig(recipe="fp8_gen", output_dir=str(tmp_path))
     cfg.model.dtype = "fp32"  # built past validation, as a programmatic caller could
     with pytest.raises(ValueError, match="BF16/FP16 activations only"):
-        VllmGenerationEngine(cfg, ODD)
+        vllm_engine(cfg, ODD)
 
 
 # ---- colocation order: vLLM starts before the trainer takes the GPU (issue 13) ----------------------
@@ -526,12 +531,12 @@ def test_builder_starts_vllm_before_the_trainer(fake_vllm, monkeypatch, tmp_path
 
 
 def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
-    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.loop.builder import vllm_engine
 
     path = _checkpoint(tmp_path)
     cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path / "out"),
                                 "engines": {"generation": "vllm"}})
-    engine = VllmGenerationEngine(cfg, ODD)
+    engine = vllm_engine(cfg, ODD)
     engine.start(path)
     (llm,) = fake_vllm
     assert llm.events == [("sleep", 1)] and engine.asleep == {"weights", "kv_cache"}
@@ -547,12 +552,12 @@ def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
 
 
 def test_start_keeps_the_free_memory_check(fake_vllm, monkeypatch, tmp_path):
-    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.loop.builder import vllm_engine
 
     cfg = run_config_from_dict({"output_dir": str(tmp_path / "out"), "engines": {"generation": "vllm"}})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**30, 80 * 2**30))
     with pytest.raises(RuntimeError, match="engines.vllm.gpu_memory_utilization"):
-        VllmGenerationEngine(cfg, ODD).start(_checkpoint(tmp_path))
+        vllm_engine(cfg, ODD).start(_checkpoint(tmp_path))
     assert fake_vllm == []
 
 
@@ -581,7 +586,7 @@ def test_vllm_accepts_our_arguments(tmp_path):
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     from fp8rl_core.config import VllmSpec
 
-    kw = conv.llm_kwargs(tmp_path, ODD, fp8=True, spec=Fp8Spec(), dtype="bfloat16", seed=0,
+    kw = conv.llm_kwargs(tmp_path, ODD, recipe=FP8, dtype="bfloat16", seed=0,
                          vllm=VllmSpec(), max_model_len=64, supported=fields)
     assert set(kw) <= fields
     vllm.SamplingParams(**conv.sampling_kwargs(SamplingParams(max_new_tokens=4), 2, conv.PROCESSED), seed=1)
@@ -609,17 +614,17 @@ def _peaky_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
 def test_vllm_engine_matches_training_engine_and_refits(recipe, tmp_path):
     pytest.importorskip("vllm")
     from fp8rl_core.algorithms.metrics import token_mult_prob_error
-    from fp8rl_core.config.recipe import get_recipe
+    from fp8rl_core.config import recipe_of
     from fp8rl_core.engines.native_train import NativeTrainingEngine
-    from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
+    from fp8rl_core.loop.builder import vllm_engine
     from fp8rl_core.loop.rollout import build_train_batch
 
     mc = ModelConfig()  # the tiny preset: hidden 256, [128, 128] blocks tile every linear
     model = _peaky_model(mc, seed=0).cuda()
-    train = NativeTrainingEngine(model, fp8_training=get_recipe(recipe).fp8_training)
     cfg = run_config_from_dict({"recipe": recipe, "output_dir": str(tmp_path), "device": "cuda",
                                 "engines": {"generation": "vllm"}})
-    gen = VllmGenerationEngine(cfg, mc)
+    train = NativeTrainingEngine(model, recipe=recipe_of(cfg))
+    gen = vllm_engine(cfg, mc)
     prompts = [[1, 5, 7, 9], [1, 3], [1, 4, 4, 8, 15, 16], [1, 20, 21]] * 8
     sampling = SamplingParams(max_new_tokens=12, seed=5)
     try:

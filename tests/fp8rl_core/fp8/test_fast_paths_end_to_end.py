@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from fp8rl_core.config import Fp8Spec, OptimSpec
+from fp8rl_core.config import OptimSpec
+from fp8rl_core.config.recipe import RECIPES
 from fp8rl_core.engines.base import SamplingParams, TrainBatch
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.engines.native_train import NativeTrainingEngine
@@ -30,10 +31,10 @@ def run_both_engines() -> list[torch.Tensor]:
     """Generation (fp8) from the initial weights, then two fp8_e2e train steps with log-prob passes."""
     torch.manual_seed(0)
     model = build_model(CFG)
-    gen = NativeGenerationEngine(CFG, fp8=True, fp8_spec=Fp8Spec(), seed=0)
+    gen = NativeGenerationEngine(CFG, recipe=RECIPES["fp8_e2e"], seed=0)
     gen.refit(model.state_dict())
     out = gen.generate([[1, 5, 6, 7], [1, 9, 3], [1, 5, 6, 7]], SamplingParams(max_new_tokens=5))
-    train = NativeTrainingEngine(model, fp8_training=True, optim=OptimSpec(lr=1e-2))
+    train = NativeTrainingEngine(model, recipe=RECIPES["fp8_e2e"], optim=OptimSpec(lr=1e-2))
     b = batch()
     seen = [out.response_ids, out.logprobs]
     for _ in range(2):

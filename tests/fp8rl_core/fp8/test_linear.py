@@ -152,6 +152,18 @@ def test_state_dict_round_trip_and_from_linear():
         Fp8Linear.from_linear(lin, bogus=1)
 
 
+def test_quantization_knobs_win_over_the_keywords():
+    from fp8rl_core.config.recipe import Quantization
+
+    lin = nn.Linear(64, 32)
+    quant = Quantization(power_of_two_scales=True, check_finite=False)
+    for layer in (Fp8Linear.from_linear(lin, power_of_two=False, check_finite=True, quant=quant),
+                  Fp8Linear(64, 32, quant=quant)):
+        assert layer.power_of_two and not layer.check_finite
+    plain = Fp8Linear.from_linear(lin, quant=Quantization())
+    assert not plain.power_of_two and plain.check_finite and plain.weight is lin.weight
+
+
 def test_autocast_casts_input_to_bf16():
     torch.manual_seed(0)
     layer = Fp8Linear(256, 64)
@@ -227,7 +239,7 @@ def test_quantize_dtype_bf16_quantizes_what_the_generation_engine_quantizes():
     refit does (`fuse_linear` on the BF16 copy it is sent); None: Q of the FP32 master, which differs for
     a weight whose values are not BF16-representable. Under autocast the trainer's forward then equals
     the engine's FP8 linear bit for bit."""
-    from fp8rl_core.config import Fp8Spec
+    from fp8rl_core.config.recipe import Quantization
     from fp8rl_core.engines.native_gen import fuse_linear
 
     torch.manual_seed(0)
@@ -235,7 +247,7 @@ def test_quantize_dtype_bf16_quantizes_what_the_generation_engine_quantizes():
     master = Fp8Linear.from_linear(layer)  # same Parameter, quantize_dtype None (fp8.quantize_from: master)
     w = layer.weight.detach()
     assert not torch.equal(w, w.bfloat16().float())  # FP32 values that BF16 rounds
-    engine = fuse_linear([w.bfloat16()], [None], Fp8Spec())
+    engine = fuse_linear([w.bfloat16()], [None], Quantization())
     ours, direct = _codes(layer.quantized_weight()), _codes(quantize_weight(w.bfloat16()))
     for a, b, c in zip(ours, direct, _codes(engine.weight)):
         assert torch.equal(a, b) and torch.equal(a, c)
@@ -266,13 +278,14 @@ def test_quantize_dtype_is_part_of_the_weight_cache_key():
 ])
 def test_training_engine_honours_quantize_from(source, compute, expected):
     from fp8rl_core.config import Fp8Spec
+    from fp8rl_core.config.recipe import resolve_recipe
     from fp8rl_core.engines.native_train import NativeTrainingEngine
     from fp8rl_core.model import ModelConfig, build_model
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=32, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2))
-    engine = NativeTrainingEngine(model, fp8_training=True, fp8_spec=Fp8Spec(quantize_from=source),
+    engine = NativeTrainingEngine(model, recipe=resolve_recipe("fp8_e2e", Fp8Spec(quantize_from=source)),
                                   compute_dtype=compute)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert len(layers) == len(engine.fp8_modules) == 14

@@ -151,7 +151,9 @@ def test_legacy_checkpoint_is_named_clearly(tmp_path):
 def test_export_hf_matches_trained_weights(tmp_path):
     eng = _engine(0, steps=2)
     path = _save(tmp_path / "ck", 2, eng)
-    assert ck.main(["export", str(path), str(tmp_path / "hf")]) == 0
+    from fp8rl_core.checkpoint import main as export_main  # the `python -m fp8rl_core.checkpoint` entry point
+
+    assert export_main(["export", str(path), str(tmp_path / "hf")]) == 0
     back = load_pretrained(tmp_path / "hf", dtype=torch.float32)
     for k, v in eng.model.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from fp8rl_core.tracking import open_sink
 from fp8rl_core.tracking.sink import JsonlSink, MetricSink, MultiSink, read_records
 
 
@@ -126,10 +125,3 @@ def test_multisink_fans_out_and_closes_all(tmp_path):
                 ("flush",), ("close", "FAILED")]
     assert a.calls == b.calls == c.calls == expected
 
-
-def test_open_sink_without_uri_is_local(tmp_path):
-    sink = open_sink(tmp_path / "run")
-    assert isinstance(sink, JsonlSink) and sink.path == tmp_path / "run" / "metrics.jsonl"
-    sink.close()
-    with pytest.raises(ValueError, match="run_id"):
-        open_sink(tmp_path / "run2", "sqlite:///x.db", None)

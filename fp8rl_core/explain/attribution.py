@@ -7,7 +7,7 @@ residual stream after the block, before the final norm). Two scorers:
 - `TrainKernels`: the training engine's model (fp8rl_core/model/layers.py kernels, FP32 masters under
   BF16 autocast, as NativeTrainingEngine runs it), optionally with blockwise-FP8 fake quantization of
   the weights ([128,128]) and/or the input activations ([1,128]) of the linears a recipe quantizes
-  (lm_head and the Fp8Spec's kept blocks excluded); the GEMM then runs in FP32 on the dequantized
+  (lm_head and the recipe's kept blocks excluded); the GEMM then runs in FP32 on the dequantized
   values (exact E4M3 products, FP32 accumulation: FP8 GEMM semantics up to summation order);
 - `GenKernels`: the generation engine (fp8rl_core/engines/native_gen.py) prefill path, in its dtype,
   FP8 or not as built. Hidden states are read by wrapping the engine's `add_rms_norm` (called twice per

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.diagnostics.attribution import GenKernels, TrainKernels, compare, fake_quantize
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
+from fp8rl_core.explain.attribution import GenKernels, TrainKernels, compare, fake_quantize
 from fp8rl_core.model import build_model, preset
 
 LAYER = 2  # where the perturbation is injected (the tiny preset has 4 decoder layers)
