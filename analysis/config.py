@@ -19,6 +19,10 @@ Fields (all optional in the sweep file):
   engine (FP8 inference and FP8-trained weights together); `val_accuracy_bf16_eval`: the same prompts
   and samples through one BF16 engine for every arm (the weights alone). Declare it in the sweep file
   before the study runs; the report shows claims 3–4 on the other metric too, marked not deciding.
+- `kind` (default `claims`): what the report stage (`sweep run`, `sweep report`, `analysis.report.make_report`)
+  writes: `claims` the ablation's figures, tables and claims 1–4; `numerics` the numerics study's
+  per-knob paired effects against the default recipe (`analysis.numerics`, Figure 3). `to_dict` leaves it
+  out while it is `claims`, so a claims report's files are what they were before the key existed.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 SECTION = "analysis"
 ACCURACY_METRICS = (M_VAL_ACC, M_VAL_ACC_BF16_EVAL)  # accuracy_metric's allowed values
 ACCURACY_LABELS = {M_VAL_ACC: "val accuracy", M_VAL_ACC_BF16_EVAL: "val accuracy, BF16 eval engine"}
+CLAIMS, NUMERICS = "claims", "numerics"
+KINDS = (CLAIMS, NUMERICS)  # kind's allowed values
+CHOICES = {"accuracy_metric": ACCURACY_METRICS, "kind": KINDS}  # the string fields and their allowed values
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class AnalysisConfig:
     trim: float = 0.1
     is_variant: str | None = None
     accuracy_metric: str = M_VAL_ACC
+    kind: str = CLAIMS  # last: the unknown-key message lists the older keys first, as before
 
     def __post_init__(self) -> None:
         _check(self)
@@ -80,7 +88,11 @@ class AnalysisConfig:
         return next(m for m in ACCURACY_METRICS if m != self.accuracy_metric)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field; `kind` only when it is not `claims` (claims.json's config is unchanged)."""
+        out = dataclasses.asdict(self)
+        if self.kind == CLAIMS:
+            del out["kind"]
+        return out
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -88,10 +100,10 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
         if value is None or isinstance(value, str):
             return value
         raise ValueError(f"{key}: expected an IS variant name (a string), got {value!r}")
-    if isinstance(default, str):  # accuracy_metric: which names are allowed is _check's rule
+    if isinstance(default, str):  # accuracy_metric, kind: which names are allowed is _check's rule
         if isinstance(value, str):
             return value
-        raise ValueError(f"{key}: expected one of: {', '.join(ACCURACY_METRICS)}; got {value!r}")
+        raise ValueError(f"{key}: expected one of: {', '.join(CHOICES[key.rsplit('.', 1)[-1]])}; got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{key}: expected a number, got {value!r}")
     if isinstance(default, int) and not float(value).is_integer():
@@ -109,6 +121,7 @@ def _check(c: AnalysisConfig) -> None:
         ("seed", c.seed >= 0, "a non-negative integer"),
         ("trim", 0 <= c.trim < 0.5, "a proportion in [0, 0.5), e.g. 0.1"),
         ("accuracy_metric", c.accuracy_metric in ACCURACY_METRICS, "one of: " + ", ".join(ACCURACY_METRICS)),
+        ("kind", c.kind in KINDS, "one of: " + ", ".join(KINDS)),
     ]
     for name, ok, want in rules:
         value = getattr(c, name)

@@ -27,12 +27,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fp8rl_core.diagnostics.catalogue import M_ABS_DIFF_MAX, M_GEN_KL
 from fp8rl_core.explain.attribution import VariantResult
 from fp8rl_core.explain.replay import VARIANTS, explain, load_rollout, worst_recorded
+from fp8rl_core.tracking import M_FRAC_GT_1, M_MISMATCH
 
 # The report and CLI of the attribution replay; the replay itself (rollout and weights loading, the
 # variants, the comparison, the worst tokens) is fp8rl_core/explain/replay.py, which returns data.
-SUMMARY_KEYS = ("token_mult_prob_error", "gen_kl_error", "logprob_abs_diff_max", "logprob_abs_diff_frac_gt_1")
+SUMMARY_KEYS = (M_MISMATCH, M_GEN_KL, M_ABS_DIFF_MAX, M_FRAC_GT_1)
 
 
 def _fmt(x: float) -> str:

@@ -28,9 +28,10 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from analysis.claims import ClaimResult, check_claims, other_accuracy_claims
-from analysis.config import ACCURACY_METRICS, AnalysisConfig
+from analysis.config import ACCURACY_METRICS, NUMERICS, AnalysisConfig
 from analysis.eval_offset import offset_markdown, offset_rows
 from analysis.fetch import SweepData, fetch_sweep
 from analysis.figures import make_figures, order_note
@@ -45,6 +46,9 @@ ARTIFACT_DIR = "report"
 CLAIM_TAG = "fp8rl.claim.{}"
 UI_QUERY = "workflowType=machine_learning"  # MLflow 3.17: open on "Model training", not the GenAI overview
 DEFAULT_UI = "http://127.0.0.1:5000"
+
+if TYPE_CHECKING:
+    from analysis.numerics import NumericsReport
 
 
 def ui_link(uri: str, experiment_id: str | None, run_id: str | None = None) -> str:
@@ -169,11 +173,18 @@ def _log_to_parent(uri: str, paths: ReportPaths) -> None:
 
 def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path, parent_run_id: str | None = None,
                 log_artifacts: bool = True, config: AnalysisConfig | None = None,
-                cell_ids: Collection[str] | None = None) -> ReportPaths:
+                cell_ids: Collection[str] | None = None) -> ReportPaths | NumericsReport:
     """Write figures, tables, claims and `report.md` to `out_dir`; log them to the sweep's parent run.
     `cell_ids`: the sweep file's current cells (None: every child run). The returned paths carry the
-    verdicts: `.verdicts_text` (terminal) and `.verdicts` (JSON-ready)."""
+    verdicts: `.verdicts_text` (terminal) and `.verdicts` (JSON-ready). With `config.kind` numerics the
+    numerics study's report instead (`analysis.numerics.make_numerics_report`: a `NumericsReport`, which has
+    `.report`, `.files()`, `.verdicts_text`, `.verdicts`, `.ui_link` and `.logged_to` too)."""
     cfg = config or AnalysisConfig()
+    if cfg.kind == NUMERICS:  # the numerics study: per-knob paired effects, not claims (same duck-typed result)
+        from analysis.numerics import make_numerics_report
+
+        return make_numerics_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id,
+                                    log_artifacts=log_artifacts, config=cfg, cell_ids=cell_ids)
     data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id, cell_ids=cell_ids)
     if not data.runs:
         stale = f" ({data.stale_runs} of an earlier version of the sweep file left out)" if data.stale_runs else ""

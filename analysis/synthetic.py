@@ -141,8 +141,6 @@ def log_sweep(uri: str, experiment: str, sweep_name: str, runs: Sequence[RunHist
               config_dir: str | Path | None = None) -> str:
     """Write `runs` as a sweep (parent + child runs, through `fp8rl_core.tracking.runs`); sets each
     run's `run_id`; returns the parent run id. Metrics go in `log_batch` calls of <= 1000."""
-    from mlflow.entities import Metric
-
     from fp8rl_core.tracking import TAG_CELL_ID, TAG_SEED
     from fp8rl_core.tracking import runs as tr
     from fp8rl_core.tracking.store import Store
@@ -155,10 +153,9 @@ def log_sweep(uri: str, experiment: str, sweep_name: str, runs: Sequence[RunHist
         tags = {k: v for k, v in run.tags.items() if k != TAG_CELL_ID}
         run.run_id, _ = tr.find_or_create_cell_run(uri, exp_id, parent, run.tags[TAG_CELL_ID], tags=tags,
                                                    params=run.params, config=run.params, run_name=run.run_name)
-        metrics = [Metric(k, float(v), 1_700_000_000_000 + int(s), int(s))
-                   for k, (steps, values) in run.metrics.items() for s, v in zip(steps, values)]
-        for i in range(0, len(metrics), 1000):
-            client.log_batch(run.run_id, metrics=metrics[i : i + 1000], synchronous=True)
+        client.log_metric_points(run.run_id, [(k, v, 1_700_000_000_000 + int(s), s)
+                                              for k, (steps, values) in run.metrics.items()
+                                              for s, v in zip(steps, values)])
         client.set_terminated(run.run_id, run.status)
     return parent
 

@@ -21,14 +21,25 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Quantization:
-    """How one engine's FP8 linear layers quantize: E4M3 blocks with FP32 scales (DeepSeek-V3: weights
-    [128, 128], activations and gradients [1, 128])."""
+    """How one engine's low-precision linear layers quantize. Default: block128, E4M3 blocks with FP32
+    scales (DeepSeek-V3: weights [128, 128], activations and gradients [1, 128]).
 
-    power_of_two_scales: bool = False  # scales rounded up to 2^k (Transformer Engine's default)
+    format: a name in fp8rl_core.fp8.formats.FORMATS (block128 | tensorwise | mxfp8 | nvfp4);
+    scale_format: resolved, one of that format's scale formats (block128/tensorwise: fp32 | pow2;
+    mxfp8: e8m0; nvfp4: e4m3 block scales with an FP32 tensor scale, "e4m3_fp32").
+    """
+
+    format: str = "block128"
+    scale_format: str = "fp32"
     check_finite: bool = True  # raise on NaN/inf before quantizing
     # trainer only: Q(W) of the BF16 rounding of the FP32 master ("bf16", what the generation engine is
     # refit with) or of the master itself ("master"); the generation engine quantizes what a refit sends
     quantize_from: str = "bf16"
+
+    @property
+    def power_of_two_scales(self) -> bool:
+        """block128/tensorwise scales rounded up to 2^k (Transformer Engine's default)."""
+        return self.scale_format == "pow2"
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class Recipe:
     training: Quantization | None = None
     bf16_first_layers: int = 0  # the first N transformer blocks keep all their linears in BF16
     bf16_last_layers: int = 0  # and the last N
+    lm_head: str = "bf16"  # "fp8": the LM head's linear is quantized too (by each engine's side)
     description: str = ""
 
     @property
@@ -62,13 +74,15 @@ class Recipe:
         return layer not in self.bf16_blocks(num_layers)
 
     def fp8_exclusions(self, num_layers: int) -> tuple[str, ...]:
-        """fnmatch patterns of module names that stay BF16: lm_head and every linear of the kept blocks."""
-        return ("lm_head", *(f"model.layers.{i}.*" for i in self.bf16_blocks(num_layers)))
+        """fnmatch patterns of module names that stay BF16: lm_head (unless lm_head is fp8) and every
+        linear of the kept blocks."""
+        head = () if self.lm_head == "fp8" else ("lm_head",)
+        return (*head, *(f"model.layers.{i}.*" for i in self.bf16_blocks(num_layers)))
 
     def in_bf16(self) -> Recipe:
         """Both engines in BF16 (the engine-neutral evaluation engine beside an FP8 arm)."""
         return replace(RECIPES["bf16"], bf16_first_layers=self.bf16_first_layers,
-                       bf16_last_layers=self.bf16_last_layers)
+                       bf16_last_layers=self.bf16_last_layers, lm_head=self.lm_head)
 
 
 _FP8 = Quantization()
@@ -92,14 +106,21 @@ def get_recipe(name: str) -> Recipe:
         raise ValueError(f"recipe: unknown recipe {name!r}; valid: {', '.join(RECIPES)}") from None
 
 
+RECIPE_KNOBS = ("bf16_first_layers", "bf16_last_layers", "lm_head")  # the run config's fp8.* keys a Recipe holds
+
+
 def resolve_recipe(name: str, knobs: Any = None) -> Recipe:
     """Recipe `name` with the knobs of `knobs` (the run config's Fp8Spec, or any object with those
-    attributes): every Quantization field and the layer counts are copied by name."""
+    attributes): every Quantization field and RECIPE_KNOBS are copied by name; scale_format "auto" is
+    resolved (`knobs.resolved_scale_format()`: pow2 with power_of_two_scales, else the format's default)."""
     recipe = get_recipe(name)
     if knobs is None:
         return recipe
     pick = lambda cls: {f.name: getattr(knobs, f.name) for f in fields(cls) if hasattr(knobs, f.name)}  # noqa: E731
-    quant = Quantization(**pick(Quantization))
-    layers = {k: v for k, v in pick(Recipe).items() if k in ("bf16_first_layers", "bf16_last_layers")}
+    picked = pick(Quantization)
+    if hasattr(knobs, "resolved_scale_format"):
+        picked["scale_format"] = knobs.resolved_scale_format()
+    quant = Quantization(**picked)
+    layers = {k: v for k, v in pick(Recipe).items() if k in RECIPE_KNOBS}
     return replace(recipe, generation=quant if recipe.fp8_generation else None,
                    training=quant if recipe.fp8_training else None, **layers)

@@ -48,18 +48,47 @@ class ModelSpec:
 
 @dataclass
 class Fp8Spec:
-    power_of_two_scales: bool = False  # round scales up to 2^k (Transformer Engine's default)
+    power_of_two_scales: bool = False  # round scales up to 2^k (Transformer Engine's default): scale_format pow2
     bf16_first_layers: int = 0  # keep the first N transformer blocks' linears in BF16
     bf16_last_layers: int = 0  # keep the last N blocks' linears in BF16
     check_finite: bool = True  # raise on NaN/inf before quantizing (costs one reduction per tensor)
-    # what the trainer's Fp8Linear quantizes: the BF16 rounding of the FP32 master (what the generation
-    # engine is refit with and quantizes, as vLLM and a Megatron+TE trainer with BF16 parameters do), or
-    # the FP32 master itself (one side only: xtuner #2044's ~23x k3 KL). No effect with model.dtype fp32
+    # what both engines quantize a weight from: its BF16 rounding (what a BF16 refit sends, as vLLM and a
+    # Megatron+TE trainer with BF16 parameters do) or the FP32 master itself (xtuner #2044's ~23x k3 KL).
+    # No effect with model.dtype fp32
     quantize_from: Literal["bf16", "master"] = "bf16"
+    # the low-precision format of the recipe's linears (fp8rl_core/fp8/formats.py): block128 (DeepSeek-V3's
+    # blocks), tensorwise (one FP32 scale per tensor), mxfp8 (E4M3, an E8M0 scale per 32), nvfp4 (E2M1, an
+    # E4M3 scale per 16 and an FP32 scale per tensor)
+    format: str = "block128"
+    # the scales' format; auto: the format's default (fp32, or pow2 with power_of_two_scales). Valid pairs:
+    # block128 and tensorwise: fp32 | pow2; mxfp8: e8m0; nvfp4: e4m3_fp32
+    scale_format: str = "auto"
+    lm_head: Literal["bf16", "fp8"] = "bf16"  # the LM head stays BF16 (NeMo RL #3650) or is quantized too
 
     def validate(self) -> None:
+        from fp8rl_core.fp8.formats import FORMATS  # torch-free registry (the config layer stays torch-free)
+
         if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
             fail("bf16_first_layers", "must be >= 0")
+        if self.format not in FORMATS:
+            fail("format", f"unknown format {self.format!r}", ", ".join(FORMATS))
+        valid = FORMATS[self.format].scale_formats
+        if self.scale_format != "auto" and self.scale_format not in valid:
+            pairs = "; ".join(f"{n}: {' | '.join(f.scale_formats)}" for n, f in FORMATS.items())
+            fail("scale_format", f"{self.scale_format!r} is not a scale format of {self.format!r}",
+                 f"auto, or one of the valid pairs ({pairs})")
+        if self.power_of_two_scales and self.resolved_scale_format() != "pow2":
+            fail("power_of_two_scales", f"true means scale_format pow2, which {self.format!r} with scale_format "
+                 f"{self.scale_format!r} is not", "false, or scale_format auto | pow2 with block128 | tensorwise")
+
+    def resolved_scale_format(self) -> str:
+        """scale_format with auto resolved: pow2 where power_of_two_scales asks for it, else the format's default."""
+        from fp8rl_core.fp8.formats import FORMATS
+
+        if self.scale_format != "auto":
+            return self.scale_format
+        valid = FORMATS[self.format].scale_formats
+        return "pow2" if self.power_of_two_scales and "pow2" in valid else valid[0]
 
 
 @dataclass
@@ -328,10 +357,25 @@ class RunConfig:
         if native_only and self.engines.kernels == "matched":
             fail("engines.kernels", f"matched kernels replay the native generation engine; {native_only[0]} "
                                     "is not native", "distinct, or native engines")
+        self._check_low_precision_knobs(native_only)
         if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
             fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
                                 "BF16/FP16 activations only (fp32 is refused)",
                  "bf16, or engines.generation=native, or a recipe without FP8 generation (bf16)")
+
+
+    def _check_low_precision_knobs(self, not_native: list[str]) -> None:
+        """The formats, an FP8 LM head and master-sourced quantization run in the native engines (exact
+        emulation); vLLM and Megatron-Core are wired for block128 from BF16 weights with a BF16 head."""
+        recipe, f = RECIPES[self.recipe], self.fp8
+        used = [k for k, v, d in (("fp8.format", f.format, "block128"), ("fp8.lm_head", f.lm_head, "bf16"),
+                                  ("fp8.quantize_from", f.quantize_from, "bf16")) if v != d]
+        quantizes = {"engines.generation": recipe.fp8_generation, "engines.training": recipe.fp8_training}
+        engines = [k for k in not_native if quantizes[k]]
+        if used and engines:
+            fail(used[0], f"{get_dotted(to_dict(self), used[0])!r} runs in the native engines only; "
+                          f"{engines[0]} is not native (its FP8 path is block128 from BF16 weights, BF16 head)",
+                 "the default, or native engines")
 
 
 # Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
@@ -344,11 +388,14 @@ HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "par
 # A value is the default itself, or the spec class whose default instance is it.
 HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
                                        "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
-                                       "engines.kernels": "distinct", "task.scratchpad": False}
-# Keys that matter only to recipes that train in FP8: dropped from the id of the others. fp8.quantize_from
-# changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so fp8_e2e's
-# ids changed with it and an old fp8_e2e result is never taken for a new one; bf16 and fp8_gen keep theirs.
+                                       "engines.kernels": "distinct", "task.scratchpad": False,
+                                       "fp8.format": "block128", "fp8.lm_head": "bf16"}
+# fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
+# fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
+# engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the
+# bf16 recipe quantizes nothing, so no fp8.* key that came after ids existed enters its id.
 HASH_FP8_TRAINING_ONLY = ("fp8.quantize_from",)
+FP8_ONLY_KEYS = ("fp8.quantize_from", "fp8.format", "fp8.lm_head")
 
 
 def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
@@ -395,7 +442,12 @@ def strip_unhashed(data: dict[str, Any]) -> dict[str, Any]:
     HASH_FP8_TRAINING_ONLY for a recipe that does not train in FP8. Copy-on-write: nested dicts on the way
     to a removed key are copied, so a dict that shares sections with another (launchers' fast id) is safe."""
     recipe = RECIPES.get(data.get("recipe", ""))
-    drop = [*HASH_EXCLUDE, *(HASH_FP8_TRAINING_ONLY if recipe is not None and not recipe.fp8_training else ())]
+    drop = [*HASH_EXCLUDE, "fp8.scale_format"]  # folded into fp8.power_of_two_scales (_canonical_scales)
+    _canonical_scales(data)
+    if recipe is not None and not recipe.fp8_generation:
+        drop += FP8_ONLY_KEYS
+    elif recipe is not None and not recipe.fp8_training:
+        drop += [k for k in HASH_FP8_TRAINING_ONLY if get_dotted(data, k, "bf16") == "bf16"]
     for key, default in HASH_IF_NOT_DEFAULT.items():
         value = get_dotted(data, key, _MISSING)
         if value == (to_dict(default()) if isinstance(default, type) else default):
@@ -406,6 +458,18 @@ def strip_unhashed(data: dict[str, Any]) -> dict[str, Any]:
 
 
 _MISSING = object()
+
+
+def _canonical_scales(data: dict[str, Any]) -> None:
+    """One spelling per numerics: fp8.scale_format (auto | the format's default | pow2) is folded into
+    fp8.power_of_two_scales, which existed first and so keeps every old id; the caller drops scale_format.
+    Formats with a single scale format have nothing to fold. Copy-on-write like _drop."""
+    fp8 = data.get("fp8")
+    if not isinstance(fp8, dict) or "scale_format" not in fp8:
+        return
+    pow2 = fp8.get("scale_format") == "pow2" or (fp8.get("scale_format") == "auto" and fp8.get("power_of_two_scales"))
+    if bool(fp8.get("power_of_two_scales")) != bool(pow2):
+        data["fp8"] = {**fp8, "power_of_two_scales": bool(pow2)}
 
 
 def _drop(data: dict[str, Any], key: str) -> None:

@@ -14,7 +14,9 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
     optimizer   8 N / W          AdamW exp_avg + exp_avg_sq, FP32
     reference   2 N / W          frozen BF16 policy for the KL term (kl_coef > 0 only)
     gen_weights 2 N              the generation engine's own copy, unsharded on every rank; FP8
-                                 generation: 1 B per block-linear parameter, BF16 for the rest
+                                 generation: each block linear's codes and scales in the recipe's
+                                 format (fp8.format; Format.weight_bytes: block128 1 B per parameter
+                                 + an FP32 scale per [128,128]; nvfp4 0.5 B + ...), BF16 for the rest
     bf16_engine 2 N              FP8-generation recipes: a BF16 generation engine beside the FP8 one
                                  (val_accuracy_bf16_eval, fp8_gen's matched-kernel replay)
   then the largest of three phases:
@@ -29,10 +31,12 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
           inputs (4 h each), BF16 norm outputs and linear inputs (2 h each), q/k/v/out of attention
           (FP32 on the CPU: 16 q_dim; 8 q_dim in BF16 on CUDA), SwiGLU gate/up/silu/product (8 I), RoPE
       16 V  logits: FP32 log-softmax saved + its gradient + the entropy's temporaries
-      casts = 2 N_lin  autocast's BF16 copies of the block linears, kept for backward (1 N_lin for FP8
-          training, E4M3); activation checkpointing keeps one block's (2 N_blk) and a = 2 h (block inputs)
-          plus one block recomputed (a); FP8 training on the CPU adds b_mb x T x 12 I (FP32 GEMM emulation
-          of one linear: dequantized input and FP32 output)
+      casts = 2 N_lin  autocast's BF16 copies of the block linears, kept for backward (FP8 training: the
+          quantized weights, Format.weight_bytes x its copies (MXFP8: rowwise + columnwise); the CPU
+          emulation of the formats other than block128 keeps FP32 values, 4 N_lin per copy); activation
+          checkpointing keeps one block's (2 N_blk) and a = 2 h (block inputs) plus one block recomputed
+          (a); FP8 training on the CPU adds b_mb x T x 12 I (FP32 GEMM emulation of one linear:
+          dequantized input and FP32 output)
       fsdp (W > 1) = 12 N_blk + 8 N_root  two unsharded blocks in flight + one block's unsharded grads,
           and the root group (embeddings, final norm, head) unsharded with its grads;
           parallel.reshard_after_forward false: every block's gathered weights stay until the step's last backward,
@@ -68,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl_core.config import recipe_of
+from fp8rl_core.fp8.formats import FORMATS
 from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
 
@@ -91,6 +96,7 @@ class Layout:
     reference: bool = False  # a frozen reference policy (loss.kl_coef > 0)
     fp8_training: bool = False
     fp8_generation: bool = False
+    fp8_format: str = "block128"  # fp8.format: the quantized weights' bytes (fp8rl_core/fp8/formats.py)
     bf16_engine: bool = False  # a BF16 generation engine beside an FP8 one (builder.build_bf16_generation_engine)
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
@@ -122,6 +128,7 @@ class ParamCounts:
     block: int  # one transformer block
     block_linear: int  # all blocks' linear weights (what FP8 quantizes, what autocast casts)
     root: int  # outside the blocks: embeddings, final norm, LM head
+    linear_shapes: tuple[tuple[int, int], ...] = ()  # [N, K] of every block linear (formats' scale bytes)
 
 
 @dataclass(frozen=True)
@@ -170,8 +177,16 @@ def _count(cfg_json: str) -> ParamCounts:
         model = CausalLM(cfg)
     total = sum(p.numel() for p in model.parameters())
     block = sum(p.numel() for p in model.model.layers[0].parameters())
-    linear = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    return ParamCounts(total=total, block=block, block_linear=linear, root=total - block * cfg.num_hidden_layers)
+    shapes = tuple(tuple(m.weight.shape) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    linear = sum(n * k for n, k in shapes)
+    return ParamCounts(total=total, block=block, block_linear=linear, root=total - block * cfg.num_hidden_layers,
+                       linear_shapes=shapes)
+
+
+def quantized_linear_bytes(p: ParamCounts, fmt: str) -> int:
+    """Codes and scales of one quantized copy of every block linear in format `fmt`."""
+    f = FORMATS[fmt]
+    return sum(f.weight_bytes(s) for s in p.linear_shapes)
 
 
 def _activations(cfg: Any, lay: Layout, p: ParamCounts, rows: int) -> dict[str, int]:
@@ -179,16 +194,25 @@ def _activations(cfg: Any, lay: Layout, p: ParamCounts, rows: int) -> dict[str, 
     h, q_dim, L, V = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size
     attn = 16 if lay.device == "cpu" else 8
     per_block = 18 * h + attn * q_dim + 8 * cfg.intermediate_size + 4 * cfg.head_dim
-    cast_b = 1 if lay.fp8_training else 2
     if lay.activation_checkpointing:
-        saved, casts = L * 2 * h + per_block, cast_b * p.block
+        saved, casts = L * 2 * h + per_block, _cast_bytes(lay, p) * p.block // max(p.block_linear, 1)
     else:
-        saved, casts = L * per_block, cast_b * p.block_linear
+        saved, casts = L * per_block, _cast_bytes(lay, p)
     tokens = rows * lay.tokens
     out = {"casts": casts, "activations": tokens * (saved + 8 * h), "logits": tokens * 16 * V}
     if lay.fp8_training and lay.device == "cpu":  # FP32 GEMM emulation: dequantized input + FP32 output of one linear
         out["fp8_emulation"] = tokens * 12 * cfg.intermediate_size
     return out
+
+
+def _cast_bytes(lay: Layout, p: ParamCounts) -> int:
+    """The block linears' weights kept for backward: BF16 casts, or the FP8 trainer's quantized copies."""
+    if not lay.fp8_training:
+        return 2 * p.block_linear
+    f = FORMATS[lay.fp8_format]
+    if lay.fp8_format != "block128" and lay.device == "cpu":  # the emulation keeps FP32 values per copy
+        return 4 * p.block_linear * f.training_weight_copies
+    return quantized_linear_bytes(p, lay.fp8_format) * f.training_weight_copies
 
 
 def _training(cfg: Any, lay: Layout, p: ParamCounts, rows: int, fsdp: dict[str, int]) -> dict[str, int]:
@@ -209,8 +233,8 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
     S = W if lay.trainer_sharded else 1  # how many ways the trainer's state is split
     resident = {"params": 4 * p.total // S, "optimizer": 8 * p.total // S,
                 "reference": 2 * p.total // S if lay.reference else 0}
-    gen_lin = p.block_linear
-    gen_weights = (gen_lin + 2 * (p.total - gen_lin)) if lay.fp8_generation else 2 * p.total
+    gen_weights = (quantized_linear_bytes(p, lay.fp8_format) + 2 * (p.total - p.block_linear)
+                   if lay.fp8_generation else 2 * p.total)
     fsdp = {"fsdp_unsharded": 12 * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
     if fsdp and not lay.reshard_after_forward:  # every block gathered from its first forward to the last backward
         fsdp["fsdp_kept_gathered"] = 4 * p.block * max(cfg.num_hidden_layers - 2, 0)
@@ -303,6 +327,7 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
                   reshard_after_forward=bool(getattr(par, "reshard_after_forward", True)),
                   reference=cfg.loss.kl_coef > 0, fp8_training=recipe.fp8_training,
                   fp8_generation=recipe.fp8_generation, bf16_engine=recipe.fp8_generation,
+                  fp8_format=(recipe.generation or recipe.training).format if recipe.fp8_generation else "block128",
                   device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
                   paged_kv=cfg.engines.generation == "vllm")
 

@@ -27,6 +27,11 @@ a multiple of 128 rows: a [128, 128] block then never straddles two projections,
 quantization equals per-projection quantization exactly (what HF block-FP8 checkpoints store and what
 vLLM's QKV loader keeps); without the padding a block spanning e.g. the q/k boundary would share one
 scale. The pad rows are zero and their output columns are dropped. The tiny presets need no padding.
+Other formats (`Quantization.format`: tensorwise, mxfp8, nvfp4; fp8rl_core/fp8/formats.py) quantize each
+projection on its own and stack the results (fp8.lowp.concat), so no block and no per-tensor scale spans two
+projections and no padding is needed: the fused weight is exactly the trainer's per-projection Q(W), with one
+tensor scale per projection for tensorwise and NVFP4 (vLLM's online per-tensor FP8 would requantize the fused
+tensor to one scale). `quantized_linear` quantizes one unfused matrix (e.g. an FP8 LM head).
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from fp8rl_core.config.recipe import BF16, Quantization, Recipe
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.kv_cache import KVCache, decode_attention, group_prompts, prefill_attention
 from fp8rl_core.engines.sampling import sample_next, tempered, validate_sampling
-from fp8rl_core.fp8 import Fp8Weight, fp8_linear, quantize_weight
+from fp8rl_core.fp8 import Fp8Weight, QuantWeight, fp8_linear, quantize_weight
+from fp8rl_core.fp8.lowp import concat as lowp_concat
 from fp8rl_core.model import bf16
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.rope import inv_freq as rope_inv_freq
@@ -53,10 +59,10 @@ class FusedLinear:
     """y = x W^T + b for a (possibly fused) W [N, K]; shard i is y[..., starts[i] : starts[i] + sizes[i]].
 
     weight: the dtype copy, or an Fp8Weight (E4M3 [N, K] + FP32 [ceil(N/128), ceil(K/128)] scales,
-    bias inside it) for an FP8 layer.
+    bias inside it) for a block128 layer, or a QuantWeight (fp8.lowp; bias inside) for another format.
     """
 
-    weight: torch.Tensor | Fp8Weight
+    weight: torch.Tensor | Fp8Weight | QuantWeight
     bias: torch.Tensor | None
     starts: tuple[int, ...]
     sizes: tuple[int, ...]
@@ -68,7 +74,7 @@ class FusedLinear:
     upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, Fp8Weight):
+        if isinstance(self.weight, (Fp8Weight, QuantWeight)):
             return fp8_linear(x, self.weight, power_of_two=self.power_of_two, check_finite=self.check_finite)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -81,7 +87,8 @@ class FusedLinear:
         (torch.compile's CPU freezing does the same): F.linear would reorder it on every call. The
         result is bitwise that of F.linear; checked on a probe, and skipped where oneDNN is missing."""
         w = self.weight
-        if isinstance(w, Fp8Weight) or w.dtype != torch.bfloat16 or w.device.type != "cpu" or self.upcast is not None:
+        if (isinstance(w, (Fp8Weight, QuantWeight)) or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                or self.upcast is not None):
             return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, 128)
@@ -112,9 +119,16 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
                 emulate_bf16: bool = False) -> FusedLinear:
     """Concatenate [N_i, K] weights along N (biases likewise); quantize when spec is given (FP8 layer).
 
-    For FP8 every shard is zero-padded to a multiple of 128 rows first (see the module docstring).
+    For block128 every shard is zero-padded to a multiple of 128 rows first; other formats quantize each
+    shard on its own (see the module docstring).
     """
     sizes = tuple(m.shape[0] for m in mats)
+    if spec is not None and spec.format != "block128":
+        parts = [quantize_weight(m, None, quant=spec) for m in mats]
+        bias = torch.cat([b if b is not None else mats[i].new_zeros(sizes[i]) for i, b in enumerate(biases)]) \
+            if any(b is not None for b in biases) else None
+        starts = tuple(sum(sizes[:i]) for i in range(len(sizes)))
+        return FusedLinear(lowp_concat(parts, bias), None, starts, sizes, False, spec.check_finite)
     pad_to = FP8_BLOCK if spec is not None else 1
     padded = [-(-n // pad_to) * pad_to for n in sizes]
     starts = tuple(sum(padded[:i]) for i in range(len(padded)))
@@ -136,6 +150,13 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
         return linear
     q = quantize_weight(weight, bias, power_of_two=spec.power_of_two_scales)
     return FusedLinear(q, None, starts, sizes, spec.power_of_two_scales, spec.check_finite)
+
+
+def quantized_linear(weight: torch.Tensor, spec: Quantization, bias: torch.Tensor | None = None) -> FusedLinear:
+    """One unfused [N, K] matrix quantized as `spec` says, without padding (nothing to straddle), e.g. an
+    FP8 LM head: `quantized_linear(lm_head, recipe.generation)(hidden)` -> [..., N] in hidden's dtype."""
+    q = quantize_weight(weight, bias, quant=spec)
+    return FusedLinear(q, None, (0,), (weight.shape[0],), spec.power_of_two_scales, spec.check_finite)
 
 
 ROPE_CACHE_START = 4096  # initial cache length (grown on demand): not a 131072-row cache for Llama-3.1
@@ -191,6 +212,7 @@ class NativeGenerationEngine:
         self.final_norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
         self._head32: torch.Tensor | None = None  # emulate_bf16: the LM head's FP32 copy (exact), per refit
+        self._head_q: FusedLinear | None = None  # fp8.lm_head fp8: the quantized LM head, per refit
         self._cos, self._sin = rope_cache(config.head_dim, config.rope_theta,
                                           min(config.max_position_embeddings, ROPE_CACHE_START), dtype,
                                           self.device, config.rope_scaling)
@@ -216,24 +238,38 @@ class NativeGenerationEngine:
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in expected else None
 
+        quant = self.recipe.generation
+        master = quant is not None and quant.quantize_from == "master"
+
+        def src(name: str) -> torch.Tensor:
+            """A weight an FP8 linear quantizes: as sent (fp8.quantize_from master: the FP32 master, what
+            xtuner #2044 quantized) or its copy in the dtype (bf16: what a BF16 refit sends, as vLLM gets)."""
+            return weights[name].detach().to(device=self.device, dtype=torch.float32, copy=True) if master \
+                else get(name)
+
         blocks = []
         for i in range(self.config.num_hidden_layers):
             p = f"model.layers.{i}."
-            spec = self.recipe.generation if self.is_fp8_block(i) else None
+            spec = quant if self.is_fp8_block(i) else None
+            w = src if spec is not None else get
             fuse = lambda mats, biases, spec=spec: fuse_linear(mats, biases, spec, self.emulate_bf16)  # noqa: E731
             attn, mlp = [p + f"self_attn.{n}_proj." for n in "qkv"], [p + f"mlp.{n}_proj." for n in ("gate", "up")]
             blocks.append(Block(
                 attn_norm=get(p + "input_layernorm.weight"),
-                qkv=fuse([get(n + "weight") for n in attn], [opt(n + "bias") for n in attn]),
-                o=fuse([get(p + "self_attn.o_proj.weight")], [opt(p + "self_attn.o_proj.bias")]),
+                qkv=fuse([w(n + "weight") for n in attn], [opt(n + "bias") for n in attn]),
+                o=fuse([w(p + "self_attn.o_proj.weight")], [opt(p + "self_attn.o_proj.bias")]),
                 mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=fuse([get(n + "weight") for n in mlp], [None, None]),
-                down=fuse([get(p + "mlp.down_proj.weight")], [None])))
+                gate_up=fuse([w(n + "weight") for n in mlp], [None, None]),
+                down=fuse([w(p + "mlp.down_proj.weight")], [None])))
         self.blocks = blocks
         self.embed = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
-        self.lm_head = self.embed if self.config.tie_word_embeddings else get("lm_head.weight")
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = self.embed if self.config.tie_word_embeddings else get(head)
         self._head32 = self.lm_head.float() if self.emulate_bf16 else None
+        # fp8.lm_head fp8: the head's linear quantized like the blocks' (recipe.lm_head; embeddings stay)
+        fp8_head = quant is not None and self.recipe.lm_head == "fp8"
+        self._head_q = quantized_linear(src(head), quant) if fp8_head else None
 
     # ---- forward -------------------------------------------------------------------------------
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,7 +379,10 @@ class NativeGenerationEngine:
             raise ValueError(f"prompts: token ids must lie in [0, {self.config.vocab_size}), got [{low}, {high}]")
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., hidden] -> logits [..., V] in the dtype (the LM head stays in the dtype: BF16)."""
+        """hidden [..., hidden] -> logits [..., V] in the dtype (the LM head in the dtype: BF16, or
+        quantized like the blocks' linears with fp8.lm_head fp8)."""
+        if self._head_q is not None:
+            return self._head_q(hidden)
         if self._head32 is not None:  # emulated BF16, the weight upcast once per refit
             return bf16.linear_upcast(hidden, self._head32)
         return F.linear(hidden, self.lm_head)

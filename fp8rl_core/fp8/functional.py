@@ -4,18 +4,26 @@
 
 x [..., K] is quantized dynamically per token and 128-wide K-block; the weight W [N, K] once per
 refit into [128, 128] blocks (`quantize_weight`). The output dtype follows x.
+Other formats (formats.py: tensorwise, mxfp8, nvfp4): `quantize_weight(w, quant=...)` returns a
+lowp.QuantWeight and `fp8_linear` runs it through lowp.py (the emulated GEMM of that format).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from fp8rl_core.fp8 import fused_cpu
+from fp8rl_core.fp8 import fused_cpu, lowp
 from fp8rl_core.fp8.emulate import ieee_fp32_matmul
+from fp8rl_core.fp8.formats import resolve_scale_format
 from fp8rl_core.fp8.gemm import scaled_mm, select_executor
+from fp8rl_core.fp8.lowp import QuantWeight
 from fp8rl_core.fp8.operand import Operand
 from fp8rl_core.fp8.quant import as_2d, quantize_2d
+
+if TYPE_CHECKING:  # a type only: fp8/ does not import the config layer
+    from fp8rl_core.config.recipe import Quantization
 
 ACT_BLOCK = (1, 128)  # activations and output gradients: per token, 128 along the contraction dim
 WEIGHT_BLOCK = (128, 128)
@@ -59,8 +67,17 @@ def quantize_operand(
     return Operand(q, scale, block, deq)
 
 
-def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_of_two: bool = False) -> Fp8Weight:
-    """Quantize a [N, K] weight into [128, 128] blocks (done once per refit). Non-finite weights raise."""
+def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_of_two: bool = False,
+                    quant: Quantization | None = None) -> Fp8Weight | QuantWeight:
+    """Quantize a [N, K] weight into [128, 128] blocks (done once per refit). Non-finite weights raise.
+
+    quant (a recipe's Quantization; its knobs win over power_of_two): a format other than block128 gives
+    that format's inference weight (lowp.QuantWeight: the fprop copy only); block128 gives the Fp8Weight.
+    """
+    if quant is not None:
+        if quant.format != "block128":
+            return lowp.quantize_weight(w, bias, format=quant.format, scale_format=quant.scale_format)
+        power_of_two = resolve_scale_format("block128", quant.scale_format) == "pow2"
     if w.dim() != 2:
         raise ValueError(f"weight: expected a 2-D [out_features, in_features] tensor, got shape {tuple(w.shape)}")
     w = w.detach()
@@ -79,12 +96,15 @@ def linear_from_operands(x_op: Operand, w: Fp8Weight, out_dtype: torch.dtype) ->
 
 
 def fp8_linear(
-    x: torch.Tensor, w: Fp8Weight, *, power_of_two: bool = False, check_finite: bool = False
+    x: torch.Tensor, w: Fp8Weight | QuantWeight, *, power_of_two: bool = False, check_finite: bool = False
 ) -> torch.Tensor:
     """Inference FP8 linear (no autograd): x [..., K] -> y [..., N] in x.dtype.
 
-    x is quantized per token into [1, 128] blocks (dynamic activation scaling, as vLLM does).
+    x is quantized per token into [1, 128] blocks (dynamic activation scaling, as vLLM does). A QuantWeight
+    (another format) quantizes x in its format and scale format (power_of_two is then not read).
     """
+    if isinstance(w, QuantWeight):
+        return lowp.linear(x, w, check_finite=check_finite)
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x: last dim {x.shape[-1]} != in_features {w.in_features}")
     with torch.no_grad():

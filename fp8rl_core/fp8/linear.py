@@ -8,6 +8,12 @@ Recipe (Transformer Engine's Float8BlockScaling, DeepSeek-V3 section 3.3), X [M,
     db       = sum_tokens dY                                        (FP32)
 Every GEMM accumulates in FP32 (see gemm.py). dX follows X's dtype, dW and db the parameters' dtype.
 
+Formats (`format`, `scale_format`; a recipe's Quantization sets both, formats.py lists them): block128
+(above, the default: this module's own path, executors and fused CPU kernels) or tensorwise / mxfp8 / nvfp4,
+whose forward, dgrad and wgrad run through lowp.py with that format's kernel module choosing the block of
+each operand (module docstrings there); their Q(W) holds what fprop and dgrad contract (MXFP8: a rowwise and
+a columnwise copy), cached like block128's.
+
 Quantization source (`fp8.quantize_from`): with `quantize_dtype=torch.bfloat16` Q(W) quantizes the BF16
 rounding of the master weight, the very tensor a refit sends the generation engine and the one a
 Megatron-Core + Transformer Engine trainer with BF16 parameters quantizes (its FP32 master lives in the
@@ -35,6 +41,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from fp8rl_core.fp8 import lowp
+from fp8rl_core.fp8.formats import resolve_scale_format
 from fp8rl_core.fp8.functional import (
     ACT_BLOCK,
     COL_BLOCK,
@@ -106,6 +114,38 @@ class _Fp8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+class _LowpLinearFn(torch.autograd.Function):
+    """Fp8Linear's forward and backward for the formats of lowp.py (everything but block128)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w: lowp.QuantWeight, check_finite: bool):  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            y = lowp.forward(x2, w, check_finite=check_finite)
+            if bias is not None:
+                y += bias.detach().to(torch.float32)
+        ctx.w = w
+        ctx.save_for_backward(x2)
+        ctx.meta = (x.shape, weight.dtype, check_finite)
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        (x2,) = ctx.saved_tensors
+        x_shape, w_dtype, check_finite = ctx.meta
+        w: lowp.QuantWeight = ctx.w
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                dx = lowp.grad_input(dy2, w, check_finite=check_finite).to(x2.dtype).reshape(x_shape)
+            if ctx.needs_input_grad[1]:
+                dw = lowp.grad_weight(dy2, x2, w.format, w.scale_format, check_finite=check_finite).to(w_dtype)
+            if ctx.needs_input_grad[2]:
+                db = dy2.float().sum(0).to(w_dtype)
+        return dx, dw, db, None, None
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear with blockwise-FP8 forward and backward; same parameters and state_dict keys."""
 
@@ -123,18 +163,33 @@ class Fp8Linear(nn.Linear):
         check_finite: bool = True,
         quantize_dtype: torch.dtype | None = None,
         quant: Quantization | None = None,
+        format: str = "block128",
+        scale_format: str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._configure(power_of_two, check_finite, quantize_dtype, quant)
+        self._configure(power_of_two, check_finite, quantize_dtype, quant, format, scale_format)
 
     def _configure(self, power_of_two: bool, check_finite: bool, quantize_dtype: torch.dtype | None,
-                   quant: Quantization | None) -> None:
-        """quant: a recipe's Quantization (fp8rl_core/config/recipe.py); its knobs win over the keywords."""
+                   quant: Quantization | None, format: str = "block128", scale_format: str | None = None) -> None:
+        """quant: a recipe's Quantization (fp8rl_core/config/recipe.py); its knobs win over the keywords.
+        scale_format None: "pow2" if power_of_two, else the format's default (formats.py)."""
         if quant is not None:
-            power_of_two, check_finite = quant.power_of_two_scales, quant.check_finite
-        self.power_of_two = power_of_two
+            format, scale_format, check_finite = quant.format, quant.scale_format, quant.check_finite
+        if scale_format is None:
+            scale_format = "pow2" if power_of_two else None
+        scale_format = resolve_scale_format(format, scale_format)
+        self.format = format
+        self.power_of_two = scale_format == "pow2"  # block128 / tensorwise scales rounded up to 2^k
+        self._scale_format = scale_format
         self.check_finite = check_finite
         self.quantize_dtype = quantize_dtype  # round the weight to this dtype before Q(W) (None: as stored)
+
+    @property
+    def scale_format(self) -> str:
+        """The resolved scale format; for fp32/pow2 formats it follows the power_of_two attribute."""
+        if self._scale_format in ("fp32", "pow2"):
+            return "pow2" if self.power_of_two else "fp32"
+        return self._scale_format
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kw) -> Fp8Linear:
@@ -145,26 +200,31 @@ class Fp8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new._configure(kw.pop("power_of_two", False), kw.pop("check_finite", True), kw.pop("quantize_dtype", None),
-                       kw.pop("quant", None))
+                       kw.pop("quant", None), kw.pop("format", "block128"), kw.pop("scale_format", None))
         if kw:
             raise TypeError(f"Fp8Linear.from_linear: unexpected options {sorted(kw)}; "
-                            "valid: power_of_two, check_finite, quantize_dtype, quant")
+                            "valid: power_of_two, check_finite, quantize_dtype, quant, format, scale_format")
         new.train(linear.training)
         return new
 
-    def quantized_weight(self) -> Fp8Weight:
-        """Q(weight) in [128, 128] blocks (no bias), recomputed only when the weight may have changed
-        (see the module docstring); non-finite weights raise."""
+    def quantized_weight(self) -> Fp8Weight | lowp.QuantWeight:
+        """Q(weight) (no bias): block128's Fp8Weight in [128, 128] blocks, or the format's lowp.QuantWeight
+        with its fprop and dgrad copies; recomputed only when the weight may have changed (see the module
+        docstring); non-finite weights raise."""
         w = self.weight
         key = (_optimizer_steps, w._version, w.data_ptr(), w.dtype, w.device, tuple(w.shape), self.power_of_two,
-               self.quantize_dtype)
+               self.quantize_dtype, self.format, self.scale_format)
         use_cache = self.cache_weight and weight_cache_enabled()
         cached = self.__dict__.get("_fp8_weight")
         if cached is not None and cached[0] == key and use_cache:
             return cached[1]
         with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
             source = w if self.quantize_dtype is None else w.to(self.quantize_dtype)
-            q = quantize_weight(source, None, power_of_two=self.power_of_two)
+            if self.format == "block128":
+                q = quantize_weight(source, None, power_of_two=self.power_of_two)
+            else:
+                q = lowp.quantize_weight(source, None, format=self.format, scale_format=self.scale_format,
+                                         dgrad=True)
         self.__dict__["_fp8_weight"] = (key, q) if use_cache else None
         return q
 
@@ -176,8 +236,11 @@ class Fp8Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         w = self.quantized_weight()
+        if isinstance(w, lowp.QuantWeight):
+            return _LowpLinearFn.apply(x, self.weight, self.bias, w, self.check_finite)
         return _Fp8LinearFn.apply(x, self.weight, self.bias, w, self.power_of_two, self.check_finite)
 
     def extra_repr(self) -> str:
         source = "as stored" if self.quantize_dtype is None else str(self.quantize_dtype).replace("torch.", "")
-        return super().extra_repr() + f", fp8=e4m3 blockwise, power_of_two={self.power_of_two}, quantize_from={source}"
+        fmt = "e4m3 blockwise" if self.format == "block128" else f"{self.format}, scale_format={self.scale_format}"
+        return super().extra_repr() + f", fp8={fmt}, power_of_two={self.power_of_two}, quantize_from={source}"

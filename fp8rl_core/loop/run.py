@@ -30,7 +30,8 @@ from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.evaluate import validation_metrics
 from fp8rl_core.loop.hold import hold_after
 from fp8rl_core.loop.step import grpo_step, sampling_params
-from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE
+from fp8rl_core.tracking import M_MISMATCH, M_REWARD, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE, TAG_WORLD_SIZE
+from fp8rl_core.tracking.lifecycle import PAUSED, run_status
 from fp8rl_core.tracking.sink import NullSink, make_run_sink, run_params
 
 
@@ -161,11 +162,10 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
     if done == 0 and not cfg.tracking.run_id:  # a sweep cell's params: its driver logged them with its run
         sink.log_params(flatten(run_params(cfg)))
     # tags, not params: a resumed run may reshard, or run on another CPU kind (per attempt)
-    sink.set_tags({"world_size": ctx.mesh.world_size, **ctx.numerics})
+    sink.set_tags({TAG_WORLD_SIZE: ctx.mesh.world_size, **ctx.numerics})
     last: dict[str, float] = {}
     bar = tqdm(total=cfg.train.steps, initial=done, desc=f"{cfg.recipe}/IS={cfg.loss.importance_sampling}"
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
-    status = "FAILED"
     try:
         if done == 0 and (metrics := _validate(ctx)) is not None:
             sink.log(0, metrics)
@@ -180,23 +180,20 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
             if rank0:
                 after_step(ctx, sink, step)  # worst-token table, rollout for `explain` (fp8rl_core/diagnostics)
             bar.update(1)
-            bar.set_postfix(reward=f"{last['reward_mean']:.2f}", mismatch=f"{last['token_mult_prob_error']:.4f}",
-                            val=f"{last.get('val_accuracy', float('nan')):.2f}", refresh=False)
+            bar.set_postfix(reward=f"{last[M_REWARD]:.2f}", mismatch=f"{last[M_MISMATCH]:.4f}",
+                            val=f"{last.get(M_VAL_ACC, float('nan')):.2f}", refresh=False)
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 _checkpoint(ctx, ckpt_dir, step)
             hold_after(step)  # test hook (FP8RL_HOLD_AFTER_STEP): a run held mid-flight on any machine
             if stop_after is not None and step >= stop_after:
                 if step % cfg.train.checkpoint_every:
                     _checkpoint(ctx, ckpt_dir, step)
-                status = "RUNNING"
+                status = PAUSED  # stopped on purpose: the run goes on in a later call
                 return last
-        status = "FINISHED"
+        status = run_status(None)
         return last
-    except SystemExit:
-        status = "RUNNING"  # submitit requeues (preemption/timeout): the run goes on in its next job
-        raise
-    except KeyboardInterrupt:
-        status = "KILLED"  # stopped by hand; `sweep run` resumes it from its checkpoint
+    except BaseException as e:  # a requeue stays RUNNING, a cancel is KILLED, an error FAILED (one table)
+        status = run_status(e)
         raise
     finally:
         bar.close()

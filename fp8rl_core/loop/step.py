@@ -130,7 +130,7 @@ def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: tor
     m = mask.bool()
     n = int(m.sum())
     if not mesh.distributed:
-        return {"reward_mean": float(rewards.mean()), "token_mult_prob_error": token_mult_prob_error(old, gen, m),
+        return {M_REWARD: float(rewards.mean()), M_MISMATCH: token_mult_prob_error(old, gen, m),
                 "response_length_mean": n / m.shape[0], **importance_stats(isw)}
     e_local, _ = token_mult_prob_error_sum(old, gen, m)
     w, raw = isw.weights.double()[m], isw.raw.double()[m]
@@ -140,7 +140,7 @@ def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: tor
     mx = mesh.all_reduce_max([float(w.max()) if n else 0.0, float(raw.max()) if n else 0.0]).tolist()
     r_sum, r_n, n_all, rows, e_sum, w_sum, raw_sum, trunc, masked = s
     per_token = (lambda x: x / n_all) if n_all else (lambda x: 0.0)  # noqa: E731
-    return {"reward_mean": r_sum / r_n, "token_mult_prob_error": e_sum / n_all if n_all else float("nan"),
+    return {M_REWARD: r_sum / r_n, M_MISMATCH: e_sum / n_all if n_all else float("nan"),
             "response_length_mean": n_all / rows, M_IS_WEIGHT: per_token(w_sum), "is_weight_max": mx[0],
             "is_raw_weight_mean": per_token(raw_sum), "is_raw_weight_max": mx[1],
             "is_fraction_truncated": per_token(trunc), "is_fraction_masked": per_token(masked)}
@@ -174,8 +174,8 @@ def grpo_step(ctx: RunContext) -> dict[str, float]:
     stats = _global_stats(ctx.mesh, rewards, batch.old_logprobs, batch.gen_logprobs, mask, isw)
     n_resp = int(ctx.mesh.all_reduce_sum([int(mask.sum())])[0])
     metrics = {
-        M_REWARD: stats.pop("reward_mean"),
-        M_MISMATCH: stats.pop("token_mult_prob_error"),
+        M_REWARD: stats.pop(M_REWARD),
+        M_MISMATCH: stats.pop(M_MISMATCH),
         "response_length_mean": stats.pop("response_length_mean"),
         "generation_tokens_per_s": n_resp / max(float(ctx.mesh.all_reduce_max([gen_s])[0]), 1e-9),
         "train_time_s": train_s,

@@ -1,13 +1,12 @@
 """Tracking: where a run's metrics go (local JSONL always, MLflow when configured) and the MLflow
 run management the sweep driver uses.
 
-The MLflow contract (what the UI, `analysis/` and outside tools read; these names never change):
-- one parent run per sweep (tag `fp8rl.role=sweep`), one child run per cell (`fp8rl.role=cell`,
-  `mlflow.parentRunId`), child tags `sweep`, `cell_id`, `recipe`, `importance_sampling`, `seed`;
-- per-step metrics `token_mult_prob_error`, `reward_mean`, `val_accuracy` (validation steps only,
-  a fraction in [0, 1]), `is_weight_mean`, `loss`, `step_time_s`, and the mismatch tails
-  `logprob_abs_diff_frac_gt_{0.1,1,10}`. Optional: `tokens_per_s`; the rest of the diagnostics
-  catalogue (fp8rl_core/diagnostics/catalogue.py) and the `diagnostics/worst_tokens.jsonl` artifact.
+The MLflow contract (what the UI, `analysis/` and outside tools read; these names never change) is
+`contract.py`, re-exported here: one parent run per sweep (tag `fp8rl.role=sweep`), one child run per
+cell (`fp8rl.role=cell`, `mlflow.parentRunId`), the child tags (`CELL_TAGS`), the per-step and
+validation metrics (`STEP_METRICS`, `VALIDATION_METRICS`, `CONTRACT_METRICS`) and the statuses.
+Optional: `tokens_per_s`; the rest of the diagnostics catalogue (fp8rl_core/diagnostics/catalogue.py)
+and the `diagnostics/worst_tokens.jsonl` artifact.
 
 Run side (the training loop):
 
@@ -15,13 +14,16 @@ Run side (the training loop):
     sink = make_run_sink(cfg, cfg.output_dir)      # JSONL always; + MLflow when cfg.tracking.uri is set
     sink.log_params(flat_config); sink.log(step, {"loss": 0.3, ...}); sink.close("FINISHED")
 
-Driver side (`launchers/`): `runs.py` owns every run's lifecycle — `ensure_experiment`,
-`create_parent_run`, `find_or_create_cell_run`, `cell_states`, `start_run`, `end_run` (which ships a
-cell's unshipped metrics.jsonl records before it sets the status), `finish_run`; `store.py` holds the
-helpers below it (URIs, retries, the one status write); `server.py`: `start_server`.
+Driver side (`launchers/`): `runs.py` manages the runs — `ensure_experiment`, `create_parent_run`,
+`find_or_create_cell_run`, `cell_states`, `run_statuses`, `start_run`, `end_run` (which ships a cell's
+unshipped metrics.jsonl records before it sets the status), `finish_run`; `lifecycle.py` decides
+which status each outcome gets (the one table: exceptions, dead jobs, cancels, the parent run);
+`store.py` holds the helpers below them (URIs, retries, the one status write) and `Store`, the one
+door to MLflow's client; `server.py`: `start_server`.
 
-Modules, lowest first (no cycles): `jsonl` (the local buffer) <- `store` <- `mlflow_sink` (ships the
-buffer) <- `runs` (lifecycle) <- `sink` (what a training run logs through: `make_run_sink`).
+Modules, lowest first (no cycles): `contract` (names) <- `jsonl` (the local buffer) <- `store` <-
+`mlflow_sink` (ships the buffer) <- `runs` <- `lifecycle`, `sink` (what a training run logs through:
+`make_run_sink`).
 
 Submodules that import MLflow are loaded lazily, so that `import fp8rl_core.tracking` stays cheap.
 """
@@ -37,7 +39,8 @@ _LAZY = {
     "MlflowSink": "mlflow_sink", "replay_buffer": "mlflow_sink",
     "ensure_experiment": "runs", "create_parent_run": "runs", "find_parent_run": "runs",
     "find_or_create_cell_run": "runs", "cell_states": "runs", "start_run": "runs", "end_run": "runs",
-    "finish_run": "runs", "flatten_params": "store", "context_tags": "store", "sqlite_path": "store",
+    "finish_run": "runs", "run_statuses": "runs", "flatten_params": "store", "context_tags": "store",
+    "sqlite_path": "store", "Store": "store", "Lifecycle": "lifecycle",
     "start_server": "server", "MlflowServer": "server",
 }
 

@@ -1,6 +1,7 @@
-"""The MLflow run lifecycle, owned here: the experiment, one parent run per sweep, one child run per
-cell, their statuses, and the cells' states in one query. The sweep driver, the cell jobs, `sweep
-cancel` and the sink all go through it (the one status write is `store.set_status`).
+"""The MLflow runs, managed here: the experiment, one parent run per sweep, one child run per cell,
+their status writes, and the cells' states in one query. Which status an outcome gets is decided in
+`lifecycle.py` (the one table), which writes through this module; the one status write is
+`store.set_status`; every MLflow call goes through `store.Store`.
 
     exp_id = ensure_experiment(uri, "fp8rl")                       # before any job is submitted
     parent = create_parent_run(uri, "fp8rl", "fp8_ablation", params=flat_sweep, config=sweep_dict)
@@ -107,7 +108,7 @@ def find_parent_run(uri: str, experiment: str, sweep_name: str) -> str | None:
     exp_id = client.experiment_id(experiment)
     if exp_id is None:
         return None
-    filt = f"tags.{TAG_SWEEP} = {_quoted('sweep', sweep_name)} and tags.`{TAG_ROLE}` = '{ROLE_SWEEP}'"
+    filt = f"tags.{TAG_SWEEP} = {_quoted(TAG_SWEEP, sweep_name)} and tags.`{TAG_ROLE}` = '{ROLE_SWEEP}'"
     runs = client.search_runs([exp_id], filt, ["attributes.start_time DESC"])
     return runs[0].info.run_id if runs else None
 
@@ -129,7 +130,7 @@ def create_parent_run(uri: str, experiment: str, sweep_name: str, tags: Mapping[
 
     `config` (the sweep file as a dict) becomes the `sweep.yaml` artifact; `params` are flattened.
     """
-    _quoted("sweep", sweep_name)
+    _quoted(TAG_SWEEP, sweep_name)
     existing = find_parent_run(uri, experiment, sweep_name)
     if existing:
         return existing
@@ -156,7 +157,7 @@ def find_or_create_cell_run(uri: str, experiment_id: str, parent_run_id: str, ce
     """
     client = Store(uri)
     filt = (f"tags.`{TAG_PARENT}` = {_quoted('parent_run_id', parent_run_id)} "
-            f"and tags.{TAG_CELL_ID} = {_quoted('cell_id', cell_id)}")
+            f"and tags.{TAG_CELL_ID} = {_quoted(TAG_CELL_ID, cell_id)}")
     found = client.search_runs([experiment_id], filt)
     if found:
         best = max(found, key=lambda r: (STATUS_RANK.get(r.info.status, 0), r.info.start_time or 0))
@@ -176,7 +177,7 @@ def cell_states(uri: str, experiment: str, sweep_name: str) -> dict[str, str]:
     exp_id = client.experiment_id(experiment)
     if exp_id is None:
         return {}
-    filt = f"tags.{TAG_SWEEP} = {_quoted('sweep', sweep_name)} and tags.`{TAG_ROLE}` = '{ROLE_CELL}'"
+    filt = f"tags.{TAG_SWEEP} = {_quoted(TAG_SWEEP, sweep_name)} and tags.`{TAG_ROLE}` = '{ROLE_CELL}'"
     states: dict[str, str] = {}
     for run in client.search_runs([exp_id], filt):
         cell = run.data.tags.get(TAG_CELL_ID)

@@ -285,6 +285,14 @@ class Store:
         self._client.log_batch(run_id, metrics=list(metrics), params=list(params), tags=list(tags),
                                synchronous=synchronous)
 
+    def log_metric_points(self, run_id: str, points: Any, chunk: int = 1000) -> None:
+        """Log (key, value, timestamp_ms, step) tuples in log_batch calls of at most `chunk` metrics."""
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, float(v), int(ts), int(s)) for k, v, ts, s in points]
+        for i in range(0, len(metrics), chunk):
+            self._client.log_batch(run_id, metrics=metrics[i : i + chunk], synchronous=True)
+
     def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
         self._client.log_artifact(run_id, path, artifact_path)
 

@@ -48,9 +48,11 @@ class SweepLoop:
         self.source.admitted(actions)
         self.active.update(watch)
         for cell in cells:
-            if actions[cell.id] in (rules.SKIP, rules.EXHAUSTED):
-                self.finished.update([cell.id] if actions[cell.id] == rules.SKIP else [])
-                self.source.ended(cell, actions[cell.id] == rules.SKIP)
+            if actions[cell.id] == rules.SKIP:  # finished before: counted done
+                self.finished.add(cell.id)
+                self.source.ended(cell, True)
+            elif actions[cell.id] == rules.EXHAUSTED:  # retries used up before this driver: not re-run
+                self.source.ended(cell, False)
         return [c for c in cells if actions[c.id] == rules.RUN]
 
     def take(self, cells: list[Cell]) -> None:

@@ -26,7 +26,8 @@ from launchers.run.jobs import RunFn
 from launchers.run.loop import SweepLoop
 from launchers.run.session import SweepSession
 from launchers.sweepfile.loading import Sweep
-from launchers.sweepfile.search_space import n_trials, optuna_distributions
+from launchers.sweepfile.schema import SearchSpec
+from launchers.sweepfile.search_space import n_trials
 
 TRIAL_TAG = TAG_TRIAL  # the cell run's tag: its trial number(s)
 CELL_ATTR = TAG_CELL_ID  # the trial's user attribute: its cell id
@@ -202,3 +203,19 @@ def run_search(sweep: Sweep, detach: bool = False, retry_failed: bool = False, e
         return run_trials(session, retry_failed)
 
     return drive(sweep, start, detach, retry_failed, executor, out)
+
+
+def optuna_distributions(search: SearchSpec) -> dict[str, Any]:
+    """{key: optuna distribution} (what `trial._suggest` / `study.ask(fixed_distributions)` take)."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    out: dict[str, Any] = {}
+    for key, p in search.params.items():
+        if p.type == "categorical":
+            out[key] = CategoricalDistribution(list(p.choices or []))
+        elif p.type == "int":
+            out[key] = IntDistribution(int(p.low), int(p.high), log=p.log, step=int(p.step or 1))
+        else:
+            out[key] = FloatDistribution(float(p.low), float(p.high), log=p.log,
+                                         step=None if p.step is None else float(p.step))
+    return out

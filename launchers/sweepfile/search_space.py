@@ -48,19 +48,3 @@ def describe(p: Any) -> str:
         return "categorical [" + ", ".join(str(c) for c in p.choices) + "]"
     extra = " log" if p.log else (f" step {p.step}" if p.step is not None else "")
     return f"{p.type} [{p.low}, {p.high}]{extra}"
-
-
-def optuna_distributions(search: SearchSpec) -> dict[str, Any]:
-    """{key: optuna distribution} (what `trial._suggest` / `study.ask(fixed_distributions)` take)."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-    out: dict[str, Any] = {}
-    for key, p in search.params.items():
-        if p.type == "categorical":
-            out[key] = CategoricalDistribution(list(p.choices or []))
-        elif p.type == "int":
-            out[key] = IntDistribution(int(p.low), int(p.high), log=p.log, step=int(p.step or 1))
-        else:
-            out[key] = FloatDistribution(float(p.low), float(p.high), log=p.log,
-                                         step=None if p.step is None else float(p.step))
-    return out

@@ -8,7 +8,7 @@ with the name that moved (pyproject.toml bounds both packages; widen a bound onl
   `Job._interrupt` (tests simulate preemption);
 - MLflow: `RunData._metric_objs` (fp8rl_core/tracking/mlflow_sink.py: each key's last step),
   `MlflowClient._tracking_client.store`, `SqlAlchemyStore.get_metric_history_bulk`,
-  `RestStore.get_host_creds`, `mlflow.utils.rest_utils.http_request_safe` (analysis/fetch.py's bulk
+  `RestStore.get_host_creds`, `mlflow.utils.rest_utils.http_request_safe` (fp8rl_core/tracking/store.py's bulk
   history reads).
 """
 from __future__ import annotations

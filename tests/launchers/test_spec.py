@@ -191,7 +191,7 @@ def test_slurm_parameter_names_are_submitits():
 def test_optuna_distributions_match_the_params():
     from optuna.distributions import FloatDistribution
 
-    from launchers.sweepfile.search_space import optuna_distributions
+    from launchers.run.search import optuna_distributions
 
     sweep = load_sweep(REPO / "sweeps" / "lr_search.yaml", cwd=Path("/work"))
     dists = optuna_distributions(sweep.spec.search)

@@ -112,17 +112,20 @@ def _id_before_quantize_from(cfg) -> str:
     return stable_hash(data)
 
 
-def test_quantize_from_is_hashed_for_fp8_training_only():
+def test_quantize_from_is_hashed_where_an_engine_quantizes():
     """fp8.quantize_from changes what fp8_e2e computes: its ids changed (the default hashes differently
-    from before the key existed, and from `master`); bf16 and fp8_gen never quantize a master weight,
-    so the key is not in their ids: unchanged from before, whatever its value."""
+    from before the key existed, and from `master`). fp8_gen's generation engine honours it since issue 23:
+    `master` is a new cell, the default keeps fp8_gen's old id (the key is not in it). bf16 quantizes
+    nothing, so the key never enters its id."""
     ids = {}
     for recipe in ("bf16", "fp8_gen", "fp8_e2e"):
         for source in ("bf16", "master"):
             ids[recipe, source] = run_config_hash(load_run_config(None, [f"recipe={recipe}",
                                                                           f"fp8.quantize_from={source}"]))
     assert ids["fp8_e2e", "bf16"] != ids["fp8_e2e", "master"]
-    assert ids["bf16", "bf16"] == ids["bf16", "master"] and ids["fp8_gen", "bf16"] == ids["fp8_gen", "master"]
+    assert ids["fp8_gen", "bf16"] != ids["fp8_gen", "master"]
+    assert ids["bf16", "bf16"] == ids["bf16", "master"]
+    assert "quantize_from" not in hashed_dict(load_run_config(None, ["recipe=fp8_gen"]))["fp8"]
     for recipe in ("bf16", "fp8_gen", "fp8_e2e"):
         cfg = load_run_config(None, [f"recipe={recipe}"])
         assert ids[recipe, "bf16"] == run_config_hash(cfg)
@@ -131,3 +134,34 @@ def test_quantize_from_is_hashed_for_fp8_training_only():
             assert run_config_hash(cfg) != old and "quantize_from" in hashed_dict(cfg)["fp8"]
         else:
             assert run_config_hash(cfg) == old and "quantize_from" not in hashed_dict(cfg)["fp8"]
+
+
+def test_one_id_per_numerics_of_the_scale_knobs():
+    """scale_format auto, the format's default and power_of_two_scales are spellings of one numerics:
+    one id each way (no grid runs two cells that compute the same); the new fp8.* keys leave old ids and
+    the bf16 recipe's id alone."""
+    h = lambda *o: run_config_hash(load_run_config(None, ["recipe=fp8_e2e", *o]))  # noqa: E731
+    assert h() == h("fp8.scale_format=fp32") == h("fp8.format=block128") == h("fp8.lm_head=bf16")
+    assert h("fp8.scale_format=pow2") == h("fp8.power_of_two_scales=true") != h()
+    assert h("fp8.format=tensorwise") != h("fp8.format=tensorwise", "fp8.scale_format=pow2")
+    arms = ("fp8.format=tensorwise", "fp8.format=mxfp8", "fp8.format=nvfp4", "fp8.lm_head=fp8")
+    assert len({h(), *(h(a) for a in arms)}) == 5
+    bf16 = lambda *o: run_config_hash(load_run_config(None, ["recipe=bf16", *o]))  # noqa: E731
+    assert bf16() == bf16("fp8.format=mxfp8") == bf16("fp8.lm_head=fp8") == bf16("fp8.scale_format=fp32")
+
+
+def test_scale_formats_refuse_every_invalid_pair():
+    from fp8rl_core.fp8.formats import FORMATS
+
+    for fmt, f in FORMATS.items():
+        for sf in ("fp32", "pow2", "e8m0", "e4m3_fp32"):
+            overrides = [f"fp8.format={fmt}", f"fp8.scale_format={sf}"]
+            if sf in f.scale_formats:
+                assert load_run_config(None, overrides).fp8.resolved_scale_format() == sf
+            else:
+                with pytest.raises(ConfigError, match="fp8.scale_format: .* valid: auto, or one of the valid pairs"):
+                    load_run_config(None, overrides)
+    with pytest.raises(ConfigError, match="fp8.power_of_two_scales"):
+        load_run_config(None, ["fp8.format=mxfp8", "fp8.power_of_two_scales=true"])
+    with pytest.raises(ConfigError, match="fp8.format: unknown format 'fp6'; valid: block128"):
+        load_run_config(None, ["fp8.format=fp6"])

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from fp8rl_core.config import Fp8Spec, load_run_config, recipe_of
-from fp8rl_core.config.recipe import BF16, RECIPES, Quantization, Recipe, get_recipe, resolve_recipe
+from fp8rl_core.config.recipe import BF16, RECIPE_KNOBS, RECIPES, Quantization, Recipe, get_recipe, resolve_recipe
 from fp8rl_core.fp8.convert import is_excluded
 
-LAYER_FIELDS = ("bf16_first_layers", "bf16_last_layers")  # the Recipe fields resolve_recipe copies
+LAYER_FIELDS = RECIPE_KNOBS  # the Recipe fields resolve_recipe copies
+SCALE_KNOBS = ("power_of_two_scales", "scale_format")  # both resolve into Quantization.scale_format
+OTHER = {"format": "tensorwise", "scale_format": "pow2"}  # str knobs: a valid non-default value
 QUANT_FIELDS = tuple(f.name for f in dataclasses.fields(Quantization))
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -22,6 +24,8 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 def _other_value(cls: type, field: dataclasses.Field) -> typing.Any:
     """A valid value of `field` that differs from its default (so that copying it is observable)."""
     hint = typing.get_type_hints(cls)[field.name]
+    if field.name in OTHER:
+        return OTHER[field.name]
     if typing.get_origin(hint) is typing.Literal:
         return next(v for v in typing.get_args(hint) if v != field.default)
     if hint is bool:
@@ -42,7 +46,7 @@ def _knobs(**values) -> Fp8Spec:
 def test_every_fp8_knob_is_a_quantization_or_layer_field():
     """A new `fp8.*` key must be a Quantization field (copied into each FP8 side) or one of the Recipe's
     layer counts; anything else would be silently dropped by resolve_recipe."""
-    orphans = [f.name for f in dataclasses.fields(Fp8Spec) if f.name not in QUANT_FIELDS + LAYER_FIELDS]
+    orphans = [f.name for f in dataclasses.fields(Fp8Spec) if f.name not in QUANT_FIELDS + LAYER_FIELDS + SCALE_KNOBS]
     assert not orphans, f"fp8.{orphans[0]} reaches no recipe field (not a Quantization field nor a layer count)"
     # and the other way: every Quantization field is a knob of the run config
     assert not [n for n in QUANT_FIELDS if n not in {f.name for f in dataclasses.fields(Fp8Spec)}]
@@ -53,7 +57,9 @@ def test_each_fp8_knob_is_copied_into_the_resolved_recipe(knob):
     field = next(f for f in dataclasses.fields(Fp8Spec) if f.name == knob)
     value = _other_value(Fp8Spec, field)
     recipe = resolve_recipe("fp8_e2e", _knobs(**{knob: value}))
-    if knob in QUANT_FIELDS:
+    if knob in SCALE_KNOBS:  # power_of_two_scales true and scale_format pow2: the same resolved scales
+        assert recipe.generation.scale_format == recipe.training.scale_format == "pow2"
+    elif knob in QUANT_FIELDS:
         assert getattr(recipe.generation, knob) == value and getattr(recipe.training, knob) == value
     elif knob in LAYER_FIELDS:
         assert getattr(recipe, knob) == value
@@ -65,7 +71,7 @@ def test_recipe_of_reads_the_run_configs_fp8_section():
     cfg = load_run_config(None, ["recipe=fp8_e2e", "fp8.power_of_two_scales=true", "fp8.check_finite=false",
                                  "fp8.quantize_from=master", "fp8.bf16_first_layers=1", "fp8.bf16_last_layers=2"])
     recipe = recipe_of(cfg)
-    quant = Quantization(power_of_two_scales=True, check_finite=False, quantize_from="master")
+    quant = Quantization(scale_format="pow2", check_finite=False, quantize_from="master")
     assert recipe == Recipe("fp8_e2e", generation=quant, training=quant, bf16_first_layers=1, bf16_last_layers=2,
                             description=RECIPES["fp8_e2e"].description)
     assert recipe_of(load_run_config(None, ["recipe=bf16", "fp8.bf16_last_layers=1"])) == dataclasses.replace(
@@ -80,7 +86,7 @@ def test_resolve_sets_each_side_exactly_per_the_registry_entry(name):
     assert get_recipe(name) is entry and resolve_recipe(name) is entry  # no knobs: the entry as it is
     knobs = _knobs(power_of_two_scales=True, check_finite=False, bf16_last_layers=1)
     recipe = resolve_recipe(name, knobs)
-    quant = Quantization(power_of_two_scales=True, check_finite=False)
+    quant = Quantization(scale_format="pow2", check_finite=False)
     assert recipe.generation == (quant if entry.fp8_generation else None)
     assert recipe.training == (quant if entry.fp8_training else None)
     assert (recipe.fp8_generation, recipe.fp8_training) == (entry.fp8_generation, entry.fp8_training)

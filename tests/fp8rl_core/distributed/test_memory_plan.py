@@ -263,3 +263,28 @@ def test_the_8b_cluster_sweep_fits_8x80gb():
         plan = plan_memory(LLAMA_8B, lay)  # the checkpoint's config.json lives on the cluster: its fields here
         assert check(plan, 80 * GiB) is None, (cell.label(), plan.table())
         assert plan.device["kv_cache"] == cfg.engines.vllm.kv_cache_memory_bytes
+
+
+@pytest.mark.parametrize("fmt,bits,scale_bytes", [
+    ("block128", 8, lambda n, k: 4 * -(-n // 128) * -(-k // 128)),
+    ("tensorwise", 8, lambda n, k: 4),
+    ("mxfp8", 8, lambda n, k: n * -(-k // 32)),
+    ("nvfp4", 4, lambda n, k: -(-n // 16) * -(-k // 16) + 4),
+])
+def test_the_generation_copy_counts_each_formats_bytes(fmt, bits, scale_bytes):
+    """gen_weights = every block linear's codes + scales in fp8.format (counted here from the format's
+    definition, per [N, K] weight) + 2 B for every other parameter."""
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.distributed.memory_plan import count_parameters, plan_for_run
+
+    cfg = load_run_config(None, ["recipe=fp8_gen", "model.preset=tiny", f"fp8.format={fmt}"])
+    plan = plan_for_run(cfg)
+    p = count_parameters(plan.model)
+    m = plan.model
+    h, i = m.hidden_size, m.intermediate_size
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    shapes = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * plan.model.num_hidden_layers
+    lin = sum(n * k for n, k in shapes)
+    assert lin == p.block_linear
+    expected = sum(n * k * bits // 8 + scale_bytes(n, k) for n, k in shapes) + 2 * (p.total - lin)
+    assert plan.device["gen_weights"] == expected

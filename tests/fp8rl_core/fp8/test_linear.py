@@ -156,7 +156,7 @@ def test_quantization_knobs_win_over_the_keywords():
     from fp8rl_core.config.recipe import Quantization
 
     lin = nn.Linear(64, 32)
-    quant = Quantization(power_of_two_scales=True, check_finite=False)
+    quant = Quantization(scale_format="pow2", check_finite=False)
     for layer in (Fp8Linear.from_linear(lin, power_of_two=False, check_finite=True, quant=quant),
                   Fp8Linear(64, 32, quant=quant)):
         assert layer.power_of_two and not layer.check_finite

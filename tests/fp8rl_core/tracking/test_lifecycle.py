@@ -55,3 +55,24 @@ def test_lifecycle_writes_through_runs(monkeypatch):
     assert life.cancelled("r5", RUNNING, FAILED, "m.jsonl") is True
     assert [(c[0], c[1]) for c in calls] == [("r1", FAILED), ("r2", RUNNING), ("r5", KILLED)]
     assert calls[0][2]["error"] == "RuntimeError: boom" and calls[2][2]["only_open"] is False
+
+
+def test_no_module_writes_a_status_but_the_lifecycle():
+    """Outside fp8rl_core/tracking/, a run's status is written only through `Lifecycle` (or the sink's
+    close with `run_status`): no direct end_run / finish_run / start_run / set_status / MLflow call."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    writers = {"end_run", "finish_run", "start_run", "set_status", "set_terminated", "update_run"}
+    found = []
+    for folder in ("launchers", "fp8rl_core"):
+        for path in (root / folder).rglob("*.py"):
+            if "tracking" in path.relative_to(root).parts:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                    if name in writers:
+                        found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert found == []
