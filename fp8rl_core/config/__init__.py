@@ -5,13 +5,15 @@ recipe table. Torch-free, so that the sweep driver can plan without importing to
     recipe = resolve_recipe(cfg)                                             # what each engine quantizes
 
 `fp8rl_core.config.load_run_config` and the spec classes are public; the modules are run_config.py (the
-dataclasses, cell-id hashing), schema.py (dataclass <-> dict), yaml_io.py and recipe.py.
+dataclasses, the ranges of their numeric keys, cell-id hashing), schema.py (dataclass <-> dict), yaml_io.py
+and recipe.py.
 """
 from fp8rl_core.config.recipe import RECIPES, Quantization, Recipe, resolve_recipe
 from fp8rl_core.config.run_config import (
     HASH_EXCLUDE,
     HASH_FP8_TRAINING_ONLY,
     HASH_IF_NOT_DEFAULT,
+    RANGES,
     DiagnosticsSpec,
     EngineSpec,
     Fp8Spec,
@@ -42,6 +44,6 @@ __all__ = [
     "HASH_EXCLUDE", "HASH_FP8_TRAINING_ONLY", "HASH_IF_NOT_DEFAULT", "ConfigError", "DiagnosticsSpec", "EngineSpec",
     "Fp8Spec", "ISVariant", "LossSpec", "MegatronSpec", "ModelSpec", "OptimSpec", "ParallelSpec", "RolloutSpec",
     "RunConfig", "TaskSpec", "TrackingSpec", "TrainSpec", "VllmSpec", "WarmStartSpec", "apply_overrides",
-    "hashed_dict", "load_run_config", "recipe_of", "RECIPES", "Quantization", "Recipe", "resolve_recipe",
+    "hashed_dict", "load_run_config", "recipe_of", "RANGES", "RECIPES", "Quantization", "Recipe", "resolve_recipe",
     "run_config_from_dict", "run_config_hash", "strip_unhashed",
 ]

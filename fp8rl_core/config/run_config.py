@@ -15,7 +15,12 @@ import yaml
 from fp8rl_core.config.recipe import RECIPES, Recipe, resolve_recipe
 from fp8rl_core.config.schema import (
     ConfigError,
+    Range,
+    above,
+    at_least,
+    between,
     build,
+    check_ranges,
     fail,
     get_dotted,
     parse_override,
@@ -68,8 +73,7 @@ class Fp8Spec:
     def validate(self) -> None:
         from fp8rl_core.fp8.formats import FORMATS  # torch-free registry (the config layer stays torch-free)
 
-        if self.bf16_first_layers < 0 or self.bf16_last_layers < 0:
-            fail("bf16_first_layers", "must be >= 0")
+        check_ranges(self, RANGES, "fp8")
         if self.format not in FORMATS:
             fail("format", f"unknown format {self.format!r}", ", ".join(FORMATS))
         valid = FORMATS[self.format].scale_formats
@@ -112,14 +116,11 @@ class TaskSpec:
     scratchpad: bool = False
 
     def validate(self) -> None:
-        if not 1 <= self.min_digits <= self.digits <= 9:
+        check_ranges(self, RANGES, "task")
+        if self.min_digits > self.digits:
             fail("digits", f"need 1 <= min_digits <= digits <= 9, got {self.min_digits}..{self.digits}")
         if self.warmstart_digits is not None and not self.min_digits <= self.warmstart_digits <= self.digits:
             fail("warmstart_digits", f"need min_digits <= warmstart_digits <= digits, got {self.warmstart_digits}")
-        if not 0.0 <= self.warmstart_label_noise <= 1.0:
-            fail("warmstart_label_noise", f"must be in [0, 1], got {self.warmstart_label_noise}")
-        if not 0.0 <= self.warmstart_full_fraction <= 1.0:
-            fail("warmstart_full_fraction", f"must be in [0, 1], got {self.warmstart_full_fraction}")
         bad = [op for op in self.operators if op not in ("+", "-", "*")]
         if bad or not self.operators:
             fail("operators", f"{bad or 'empty'} not allowed", "+, -, *")
@@ -142,10 +143,7 @@ class WarmStartSpec:
     cache_dir: str = ".fp8rl/warmstart"  # keyed by a hash of (model, task, warmstart) config
 
     def validate(self) -> None:
-        if self.steps < 0 or self.eval_every < 1 or self.dev_size < 1 or self.batch_size < 1:
-            fail("steps", "need steps >= 0 and eval_every, dev_size, batch_size >= 1")
-        if self.target_accuracy is not None and not 0.0 <= self.target_accuracy <= 1.0:
-            fail("target_accuracy", f"must be in [0, 1] or null, got {self.target_accuracy}")
+        check_ranges(self, RANGES, "warmstart")
 
 
 @dataclass
@@ -159,12 +157,7 @@ class RolloutSpec:
     top_k: int = 0  # 0: off
 
     def validate(self) -> None:
-        if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
-            fail("prompts_per_step", "prompts_per_step, samples_per_prompt, max_new_tokens must be >= 1")
-        if self.temperature <= 0:
-            fail("temperature", "must be > 0 (greedy decoding is for validation only)")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        check_ranges(self, RANGES, "rollout")
 
 
 @dataclass
@@ -179,8 +172,9 @@ class LossSpec:
     kl_clamp: float = 10.0  # clamp of the per-token log-ratio inside k3
 
     def validate(self) -> None:
-        if self.is_cap <= 0 or not 0 <= self.is_low <= self.is_high:
-            fail("is_cap", "need is_cap > 0 and 0 <= is_low <= is_high")
+        check_ranges(self, RANGES, "loss")
+        if self.is_low > self.is_high:
+            fail("is_low", f"need is_low <= is_high, got {self.is_low} > {self.is_high}")
 
 
 @dataclass
@@ -191,6 +185,11 @@ class OptimSpec:
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # max global gradient norm (<= 0: off)
     micro_steps: int = 1  # optimizer steps per rollout batch (>1 makes later steps off-policy)
+
+    def validate(self) -> None:
+        check_ranges(self, RANGES, "optim")
+        if len(self.betas) != 2:
+            fail("betas", f"expected 2 values, got {len(self.betas)}", "[beta1, beta2], e.g. [0.9, 0.999]")
 
 
 @dataclass
@@ -206,9 +205,7 @@ class TrainSpec:
     reuse_old_logprobs: bool = True
 
     def validate(self) -> None:
-        for key in ("micro_batch_size", "logprob_batch_size"):
-            if getattr(self, key) < 0:
-                fail(key, f"must be >= 0 (0: the whole batch at once), got {getattr(self, key)}")
+        check_ranges(self, RANGES, "train")
 
 
 @dataclass
@@ -230,17 +227,7 @@ class VllmSpec:
     sleep_between_steps: bool = True
 
     def validate(self) -> None:
-        if self.max_model_len is not None and self.max_model_len < 2:
-            fail("max_model_len", f"must be >= 2 tokens or null (longest prompt + max_new_tokens), "
-                                  f"got {self.max_model_len}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            fail("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            fail("kv_cache_memory_bytes", f"must be > 0 bytes or null, got {self.kv_cache_memory_bytes}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            fail("max_num_seqs", f"must be >= 1 or null, got {self.max_num_seqs}")
-        if self.tensor_parallel_size < 1:
-            fail("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        check_ranges(self, RANGES, "engines.vllm")
 
 
 @dataclass
@@ -258,9 +245,7 @@ class MegatronSpec:
     pad_tokens_to: int = 128
 
     def validate(self) -> None:
-        for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_tokens_to"):
-            if getattr(self, key) < 1:
-                fail(key, f"must be >= 1, got {getattr(self, key)}")
+        check_ranges(self, RANGES, "engines.megatron")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             fail("sequence_parallel", "needs tensor_parallel_size > 1", "false, or tensor_parallel_size >= 2")
 
@@ -294,8 +279,7 @@ class ParallelSpec:
     reshard_after_forward: bool = True
 
     def validate(self) -> None:
-        if not self.timeout_s > 0:
-            fail("timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+        check_ranges(self, RANGES, "parallel")
 
 
 @dataclass
@@ -310,9 +294,7 @@ class DiagnosticsSpec:
     save_rollouts: bool = True
 
     def validate(self) -> None:
-        for key in ("worst_tokens_every", "worst_tokens_k", "context_tokens"):
-            if getattr(self, key) < 0:
-                fail(key, f"must be >= 0, got {getattr(self, key)}")
+        check_ranges(self, RANGES, "diagnostics")
 
 
 @dataclass
@@ -346,6 +328,7 @@ class RunConfig:
     tracking: TrackingSpec = field(default_factory=TrackingSpec)  # where the run logs (MLflow, or JSONL only)
 
     def validate(self) -> None:
+        check_ranges(self, RANGES)
         if self.recipe not in RECIPES:
             fail("recipe", f"unknown recipe {self.recipe!r}", ", ".join(RECIPES))
         native_only = [k for k, v in (("engines.generation", self.engines.generation),
@@ -376,6 +359,43 @@ class RunConfig:
             fail(used[0], f"{get_dotted(to_dict(self), used[0])!r} runs in the native engines only; "
                           f"{engines[0]} is not native (its FP8 path is block128 from BF16 weights, BF16 head)",
                  "the default, or native engines")
+
+
+# The allowed range of every numeric key, one table: each section's validate checks its keys against it
+# first (schema.check_ranges), at the edge (load_run_config, fp8rl-train --print-config, sweep plan and
+# run, every grid cell), so a value that would fail inside a cell, or silently do nothing, is refused
+# before any work. A new numeric key needs an entry (tests/fp8rl_core/config/test_ranges.py fails
+# without one); an optional key may also be null.
+RANGES: dict[str, Range] = {
+    "seed": at_least(0), "threads": at_least(0),
+    "fp8.bf16_first_layers": at_least(0), "fp8.bf16_last_layers": at_least(0),
+    "task.digits": between(1, 9), "task.min_digits": between(1, 9), "task.val_size": at_least(1),
+    "task.data_seed": at_least(0), "task.warmstart_digits": between(1, 9),
+    "task.warmstart_full_fraction": between(0, 1), "task.warmstart_label_noise": between(0, 1),
+    "warmstart.steps": at_least(0), "warmstart.target_accuracy": between(0, 1), "warmstart.eval_every": at_least(1),
+    "warmstart.dev_size": at_least(1), "warmstart.batch_size": at_least(1), "warmstart.lr": above(0),
+    "rollout.prompts_per_step": at_least(1), "rollout.samples_per_prompt": at_least(1),
+    "rollout.max_new_tokens": at_least(1),
+    "rollout.temperature": Range(0, open_low=True, why="greedy decoding is for validation only"),
+    "rollout.top_p": Range(0, 1, open_low=True), "rollout.top_k": at_least(0),
+    "loss.is_cap": above(0), "loss.is_low": at_least(0), "loss.is_high": at_least(0),
+    "loss.clip_low": between(0, 1), "loss.clip_high": at_least(0), "loss.kl_coef": at_least(0),
+    "loss.kl_clamp": above(0),
+    "optim.lr": above(0), "optim.weight_decay": at_least(0), "optim.betas": Range(0, 1, open_high=True),
+    "optim.eps": above(0), "optim.grad_clip": Range(), "optim.micro_steps": at_least(1),  # grad_clip <= 0: off
+    "train.steps": at_least(1), "train.val_every": at_least(1), "train.val_samples": at_least(0),
+    "train.checkpoint_every": at_least(1), "train.micro_batch_size": at_least(0),
+    "train.logprob_batch_size": at_least(0),
+    "engines.vllm.max_model_len": Range(2, why="tokens: the longest prompt + max_new_tokens"),
+    "engines.vllm.gpu_memory_utilization": Range(0, 1, open_low=True),
+    "engines.vllm.kv_cache_memory_bytes": at_least(1), "engines.vllm.max_num_seqs": at_least(1),
+    "engines.vllm.tensor_parallel_size": at_least(1),
+    "engines.megatron.tensor_parallel_size": at_least(1), "engines.megatron.pipeline_parallel_size": at_least(1),
+    "engines.megatron.pad_tokens_to": at_least(1),
+    "parallel.timeout_s": above(0),
+    "diagnostics.worst_tokens_every": at_least(0), "diagnostics.worst_tokens_k": at_least(0),
+    "diagnostics.context_tokens": at_least(0),
+}
 
 
 # Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.

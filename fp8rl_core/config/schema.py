@@ -2,13 +2,15 @@
 
 `build(cls, data, where)` turns a nested dict (from YAML or CLI overrides) into a nested dataclass,
 rejecting unknown keys and wrong types with `where: key: what is wrong; valid: ...`. Dataclasses may
-define `validate(self) -> None` raising `ConfigError` (via `fail`) for value constraints.
+define `validate(self) -> None` raising `ConfigError` (via `fail`) for value constraints; numeric keys
+check theirs against a table of `Range`s (`check_ranges`), so that every bound lives in one place.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import types
 import typing
@@ -38,6 +40,77 @@ class ConfigError(ValueError):
 
 def fail(key: str, problem: str, valid: str | None = None) -> None:
     raise ConfigError(key, problem, valid)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric key allows: finite, low <= x <= high (None: no bound; open_*: strict).
+
+    `why`: what the bound protects, shown after the error when it is not obvious."""
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    why: str = ""
+
+    def allows(self, x: float) -> bool:
+        if not math.isfinite(x):
+            return False
+        if self.low is not None and (x <= self.low if self.open_low else x < self.low):
+            return False
+        return self.high is None or (x < self.high if self.open_high else x <= self.high)
+
+    def __str__(self) -> str:
+        lo, hi = f"{self.low:g}" if self.low is not None else "", f"{self.high:g}" if self.high is not None else ""
+        if lo and hi:
+            return f"in {'(' if self.open_low else '['}{lo}, {hi}{')' if self.open_high else ']'}"
+        if lo:
+            return f"{'>' if self.open_low else '>='} {lo}"
+        if hi:
+            return f"{'<' if self.open_high else '<='} {hi}"
+        return "a finite number"
+
+
+def at_least(low: float) -> Range:
+    return Range(low)
+
+
+def above(low: float) -> Range:
+    return Range(low, open_low=True)
+
+
+def between(low: float, high: float) -> Range:
+    return Range(low, high)
+
+
+def numeric_fields(cls: type) -> list[tuple[str, bool]]:
+    """(name, is_list) of a dataclass's numeric fields: int and float, optional or not, and lists of them.
+
+    bool is not numeric here (a flag has no range)."""
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (typing.Union, types.UnionType) \
+            else [tp]
+        is_list = len(args) == 1 and get_origin(args[0]) is list
+        if is_list:
+            args = list(get_args(args[0]))
+        if args and all(a in (int, float) for a in args):
+            out.append((name, is_list))
+    return out
+
+
+def check_ranges(obj: Any, ranges: typing.Mapping[str, Range], section: str = "") -> None:
+    """ConfigError for the first numeric field of dataclass `obj` outside its range, `ranges[section.name]`
+    (a list: each item). The key is named relative to `obj`, as `build` locates it; None (an optional key
+    left unset) and a key without a range pass."""
+    for name, is_list in numeric_fields(type(obj)):
+        rng, value = ranges.get(f"{section}.{name}" if section else name), getattr(obj, name)
+        if rng is None or value is None:
+            continue
+        for i, v in enumerate(value) if is_list else [(None, value)]:
+            if not rng.allows(v):
+                why = f" ({rng.why})" if rng.why else ""
+                fail(name if i is None else f"{name}[{i}]", f"must be {rng}, got {v!r}{why}")
 
 
 def field_names(cls: type) -> list[str]:

@@ -153,7 +153,9 @@ def find_or_create_cell_run(uri: str, experiment_id: str, parent_run_id: str, ce
 
     New runs get tags `mlflow.parentRunId`, `cell_id`, `fp8rl.role=cell`, `sweep` (copied from the
     parent), context tags and `tags` (recipe, importance_sampling, seed, ...); `params` flattened;
-    `config` as `config.yaml`. An existing run is returned as it is (nothing re-logged).
+    `config` as `config.yaml`. An existing run is returned as it is, except that params it lacks are
+    logged: a driver killed between creating the run and logging its params (or mid-batch) left them
+    out, and the job no longer logs them (params are written once, by the driver).
     """
     client = Store(uri)
     filt = (f"tags.`{TAG_PARENT}` = {_quoted('parent_run_id', parent_run_id)} "
@@ -161,6 +163,9 @@ def find_or_create_cell_run(uri: str, experiment_id: str, parent_run_id: str, ce
     found = client.search_runs([experiment_id], filt)
     if found:
         best = max(found, key=lambda r: (STATUS_RANK.get(r.info.status, 0), r.info.start_time or 0))
+        missing = {k: v for k, v in flatten_params(params or {}).items() if k not in best.data.params}
+        if missing:
+            log_params(client, best.info.run_id, missing)
         return best.info.run_id, best.info.status
     sweep = client.get_run(parent_run_id).data.tags.get(TAG_SWEEP, "")
     all_tags = {**context_tags(), **(tags or {}), TAG_PARENT: parent_run_id, TAG_CELL_ID: cell_id,

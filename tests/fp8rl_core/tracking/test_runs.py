@@ -72,6 +72,27 @@ def test_cell_runs_found_or_created(sqlite_uri):
     assert find_or_create_cell_run(sqlite_uri, exp, other, "c0ffee")[0] != run_id
 
 
+def test_a_found_run_gets_the_params_a_killed_driver_left_out(sqlite_uri, monkeypatch):
+    """The driver died after creating the run and before its params went in: the next driver logs them
+    (the job never logs params of a sweep cell); params already there are not written twice."""
+    import fp8rl_core.tracking.runs as tr
+
+    exp = ensure_experiment(sqlite_uri, "fp8rl")
+    parent = create_parent_run(sqlite_uri, "fp8rl", "abl")
+    cfg = {"recipe": "bf16", "seed": 0, "warmstart": {"cache_dir": "/abs/ws"}}
+    monkeypatch.setattr(tr, "log_params", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # the kill, between create_run and the params
+        find_or_create_cell_run(sqlite_uri, exp, parent, "c0ffee", {"seed": 0}, cfg, cfg)
+    monkeypatch.undo()
+    run_id, _ = find_or_create_cell_run(sqlite_uri, exp, parent, "c0ffee", {"seed": 0}, cfg, cfg)
+    assert MlflowClient(sqlite_uri).get_run(run_id).data.params == {
+        "recipe": "bf16", "seed": "0", "warmstart.cache_dir": "/abs/ws"}
+    calls = []
+    monkeypatch.setattr(tr, "log_params", lambda *a, **k: calls.append(a))
+    assert find_or_create_cell_run(sqlite_uri, exp, parent, "c0ffee", {"seed": 0}, cfg, cfg)[0] == run_id
+    assert calls == []
+
+
 def test_cell_states_use_one_search(sqlite_uri, monkeypatch):
     exp = ensure_experiment(sqlite_uri, "fp8rl")
     parent = create_parent_run(sqlite_uri, "fp8rl", "abl")
