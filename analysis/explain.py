@@ -3,20 +3,9 @@
     fp8rl-train explain runs/fp8_gen_s1                 # the newest replayable step
     fp8rl-train explain runs/fp8_gen_s1 --step 51 --rows 16 --variants bf16,weights,activations,both,kernels
 
-Reloads the weights that generated a saved rollout batch (`rollouts/step_N.pt`, written by the run
-next to checkpoint N − 1; fp8rl_core/diagnostics/tokens.py) and re-scores the batch under controlled
-variants, each a pair (side A plays the trainer, side B the generator; fp8rl_core/explain/attribution.py):
-
-    bf16         training kernels, BF16   vs the same                    (control: must be exactly 1.0)
-    weights      training kernels, BF16   vs + weights fake-quantized E4M3 [128,128]
-    activations  training kernels, BF16   vs + activations fake-quantized E4M3 [1,128]
-    both         training kernels, BF16   vs + both (FP8 GEMM numerics)
-    kernels      training kernels, BF16   vs generation-engine kernels, BF16
-    as_run       the run's training engine vs its generation engine, FP8 per the recipe (prefill path)
-and `recorded`, the numbers the run logged for this batch (decode path, KV cache). For each: the
-catalogue's metrics and each decoder layer's relative hidden-state error. Writes report.md,
-per_layer.png and results.json to `<run>/diagnostics/explain_step_N/`, prints the Markdown, and logs
-the folder to the run's MLflow run (when it has one) under `diagnostics/explain_step_N`.
+Writes report.md, per_layer.png and results.json to `<run>/diagnostics/explain_step_N/`, prints the
+Markdown, and logs the folder to the run's MLflow run (when it has one) under `diagnostics/explain_step_N`.
+The replay and its variants (below, in --help) are fp8rl_core/explain/replay.py.
 """
 from __future__ import annotations
 
@@ -28,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl_core.diagnostics.catalogue import M_ABS_DIFF_MAX, M_GEN_KL
+from fp8rl_core.explain import replay
 from fp8rl_core.explain.attribution import VariantResult
 from fp8rl_core.explain.replay import VARIANTS, explain, load_rollout, worst_recorded
 from fp8rl_core.tracking import M_FRAC_GT_1, M_MISMATCH
@@ -129,7 +119,8 @@ def log_to_mlflow(run_dir: Path, cfg_tracking: Any, folder: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fp8rl-train explain", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=f"{__doc__}\n{replay.__doc__[replay.__doc__.index('Reloads'):]}")
     ap.add_argument("run_dir", help="the run's output_dir (holds rollouts/ and checkpoints/)")
     ap.add_argument("--step", type=int, help="the step whose rollout to replay (default: the newest replayable)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
