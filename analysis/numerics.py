@@ -71,6 +71,7 @@ from analysis.config import ACCURACY_METRICS, AnalysisConfig  # noqa: E402
 from analysis.fetch import RunHistory, SweepData, fetch_sweep  # noqa: E402
 from analysis.figures import save  # noqa: E402
 from analysis.kernels import only_kernels  # noqa: E402
+from analysis.links import ARTIFACT_DIR, ui_link
 from analysis.stats import p_value, t_interval  # noqa: E402
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL  # noqa: E402
 from fp8rl_core.tracking import M_MISMATCH, TAG_SEED, TAIL_FRACTIONS  # noqa: E402
@@ -502,7 +503,6 @@ def _runs_lines(data: SweepData, result: NumericsResult) -> list[str]:
 def write_numerics(result: NumericsResult, cfg: AnalysisConfig, out_dir: str | Path, prov: dict,
                    data: SweepData | None = None) -> NumericsReport:
     """Figure 3, numerics.md, numerics.json and report.md under `out_dir`."""
-    from analysis.report import ui_link
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -535,7 +535,6 @@ def make_numerics_report(uri: str, experiment: str, sweep_name: str, out_dir: st
                          sweep_file: str | Path | None = None) -> NumericsReport:
     """Fetch the sweep's child runs (one search, histories in bulk), analyze, write, and log the files
     under `report/` of the parent run (as `make_report` does)."""
-    from analysis.report import ARTIFACT_DIR
 
     cfg = config or AnalysisConfig()
     data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id, cell_ids=cell_ids)

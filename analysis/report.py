@@ -37,26 +37,16 @@ from analysis.fetch import SweepData, fetch_sweep
 from analysis.figures import make_figures, order_note
 from analysis.floor import floor_markdown, floor_rows
 from analysis.kernels import MATCHED, only_kernels
+from analysis.links import ARTIFACT_DIR, ui_link  # noqa: F401  (ARTIFACT_DIR, ui_link: this module's API too)
 from analysis.rleval import rleval_markdown
 from analysis.summaries import summarize_all, tails_markdown
 from analysis.table import markdown_table, summary_rows, write_table
 from analysis.verdicts import format_verdicts, verdicts_json, verdicts_markdown
 
-ARTIFACT_DIR = "report"
 CLAIM_TAG = "fp8rl.claim.{}"
-UI_QUERY = "workflowType=machine_learning"  # MLflow 3.17: open on "Model training", not the GenAI overview
-DEFAULT_UI = "http://127.0.0.1:5000"
 
 if TYPE_CHECKING:
     from analysis.numerics import NumericsReport
-
-
-def ui_link(uri: str, experiment_id: str | None, run_id: str | None = None) -> str:
-    """The MLflow UI address of the experiment's runs table (or of one run) in its "Model training" view.
-    For an http(s) tracking URI that server's address; otherwise `mlflow ui`'s default address."""
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI
-    page = f"{base}/#/experiments/{experiment_id}/runs" + (f"/{run_id}" if run_id else "")
-    return f"{page}?{UI_QUERY}"
 
 
 @dataclass

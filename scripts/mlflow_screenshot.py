@@ -80,7 +80,7 @@ def take_screenshots(out_dir: Path, store_dir: Path | None = None, browser: str 
         uri, exp, parent = make_store(Path(store_dir or tmp))
         with start_server(uri, log_path=out_dir / "mlflow-server.log") as server:
             base = f"{server.url}/#/experiments/{exp}"
-            # as the link `sweep report` prints (analysis.report.ui_link): "Model training", not GenAI's Overview
+            # as the link `sweep report` prints (analysis.links.ui_link): "Model training", not GenAI's Overview
             pages = {"runs": f"{base}/runs?{UI_QUERY}",
                      "parent_run": f"{base}/runs/{parent}?{UI_QUERY}",
                      "figure1": f"{base}/runs/{parent}/artifacts/report/fig1_token_mult_prob_error.png?{UI_QUERY}",

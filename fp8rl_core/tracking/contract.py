@@ -30,7 +30,7 @@ TAG_TRIAL = "optuna.trial"  # a search cell's Optuna trial number(s), comma-sepa
 TAG_BEST_PARAMS = "best_params"  # on a search's parent run: the best trial's params
 # The experiment's kind for MLflow 3.x UIs that read it (earlier 3.x, Databricks). MLflow 3.17 ignores it:
 # its view comes from the browser (URL `?workflowType=machine_learning`, else local storage, default
-# GenAI "Overview"), so links to the runs table carry that query (`analysis.report.ui_link`).
+# GenAI "Overview"), so links to the runs table carry that query (`analysis.links.ui_link`).
 EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development"}
 
 # --- metrics ------------------------------------------------------------------------------------
