@@ -26,9 +26,18 @@ from typing import Any
 
 import torch
 
+from fp8rl_core.config import recipe_of, resolve_recipe, run_config_from_dict
 from fp8rl_core.diagnostics.catalogue import step_diagnostics
-from fp8rl_core.diagnostics.tokens import ROLLOUTS_DIR, find_checkpoint
+from fp8rl_core.diagnostics.tokens import ROLLOUTS_DIR, find_checkpoint, worst_tokens
+from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.explain.attribution import GenKernels, TrainKernels, VariantResult, compare
+from fp8rl_core.io import checkpoint as ckpt
+from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
+from fp8rl_core.model import load_pretrained
+from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.fp8_policy import apply_fp8
+from fp8rl_core.model.llama import CausalLM
+from fp8rl_core.tasks import make_task
 
 VARIANTS = {
     "bf16": "BF16 in both engines (training kernels on both sides): the replay's own noise floor",
@@ -58,8 +67,6 @@ def load_rollout(run_dir: Path, step: int) -> dict[str, Any]:
 def load_policy_weights(ckpt_path: Path, model_config: Any) -> dict[str, torch.Tensor]:
     """HF-named FP32 weights of the policy in a run checkpoint. The one adapter to fp8rl_core.io.checkpoint:
     its DCP format (load_checkpoint into a model state dict, as its export does) or the legacy one."""
-    from fp8rl_core.io import checkpoint as ckpt
-    from fp8rl_core.model.llama import CausalLM
 
     if ckpt.is_legacy(ckpt_path):
         return ckpt.load_legacy(ckpt_path)[0]
@@ -71,10 +78,6 @@ def load_policy_weights(ckpt_path: Path, model_config: Any) -> dict[str, torch.T
 def generating_weights(run_dir: Path, cfg: Any, model_config: Any, weights_step: int) -> dict[str, torch.Tensor]:
     """The weights of checkpoint `weights_step` (0: the run's initial weights, the cached warm start)."""
     if weights_step == 0:
-        from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
-        from fp8rl_core.model import load_pretrained
-        from fp8rl_core.tasks import make_task
-
         path = initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False)
         return dict(load_pretrained(path, dtype=torch.float32).state_dict())
     found = find_checkpoint(run_dir / "checkpoints", weights_step)
@@ -92,9 +95,6 @@ def replayable_steps(run_dir: Path) -> list[int]:
 # --- the variants -------------------------------------------------------------------------------------
 def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: Any, model_config: Any):
     """(name, side A, side B) for each requested variant."""
-    from fp8rl_core.config import recipe_of, resolve_recipe
-    from fp8rl_core.engines.native_gen import NativeGenerationEngine
-    from fp8rl_core.model.llama import CausalLM
 
     model = CausalLM(model_config)
     model.load_state_dict(weights, strict=False)
@@ -131,8 +131,6 @@ def _as_run_trainer(model, recipe, temp: float, dtype) -> TrainKernels:
     side = TrainKernels(model, f"train {'FP8' if recipe.fp8_training else 'BF16'}", temperature=temp,
                         compute_dtype=dtype)
     if recipe.fp8_training:
-        from fp8rl_core.model.fp8_policy import apply_fp8
-
         apply_fp8(side.model, recipe, dtype)  # the real Fp8Linear forward (and weight source) the run's trainer uses
     return side
 
@@ -140,8 +138,6 @@ def _as_run_trainer(model, recipe, temp: float, dtype) -> TrainKernels:
 def explain(run_dir: Path, step: int | None = None, variants: list[str] | None = None,
             rows: int | None = None) -> tuple[int, list[VariantResult]]:
     """Replay one saved rollout (default: the newest replayable one) under `variants` (default: all)."""
-    from fp8rl_core.config import run_config_from_dict
-    from fp8rl_core.model.config import ModelConfig
 
     if step is None:
         have = replayable_steps(run_dir)
@@ -153,9 +149,6 @@ def explain(run_dir: Path, step: int | None = None, variants: list[str] | None =
     cfg = run_config_from_dict(json.loads(r["run_config"]), where=f"{run_dir} rollout {step}")
     hf = json.loads(r["model_config"]) if r.get("model_config") not in (None, "{}") else None
     if hf is None:
-        from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
-        from fp8rl_core.tasks import make_task
-
         hf = json.loads((initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), False)
                          / "config.json").read_text())
     model_config = ModelConfig.from_hf_dict(hf)
@@ -173,9 +166,6 @@ def explain(run_dir: Path, step: int | None = None, variants: list[str] | None =
 # --- the recorded batch's worst tokens ----------------------------------------------------------------
 def worst_recorded(run_dir: Path, step: int, k: int = 3) -> list[dict[str, Any]]:
     """The k worst tokens of the recorded batch (as the run's worst-token table lists them)."""
-    from fp8rl_core.config import run_config_from_dict
-    from fp8rl_core.diagnostics.tokens import worst_tokens
-    from fp8rl_core.loop.builder import load_tokenizer
 
     r = load_rollout(run_dir, step)
     tok = load_tokenizer(run_config_from_dict(json.loads(r["run_config"])))
