@@ -24,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from analysis.report import UI_QUERY, make_report  # noqa: E402
+from analysis.links import UI_QUERY  # noqa: E402
+from analysis.report import make_report  # noqa: E402
 from analysis.synthetic import log_sweep, synthetic_runs  # noqa: E402
 from fp8rl_core.tracking.server import start_server  # noqa: E402
 

@@ -53,7 +53,7 @@ def _check_landing(shots, tmp_path):
     (it is what older MLflow 3 releases read): the bare experiment address still opens the GenAI overview."""
     from mlflow import MlflowClient
 
-    from analysis.report import ui_link
+    from analysis.links import ui_link
     from fp8rl_core.tracking.server import start_server
 
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"

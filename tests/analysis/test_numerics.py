@@ -18,6 +18,7 @@ from scipy import stats
 from analysis.config import AnalysisConfig
 from analysis.fetch import RunHistory
 from analysis.kernels import KERNELS_PARAM, MATCHED
+from analysis.links import ARTIFACT_DIR
 from analysis.numerics import (
     DEFAULT_ARM,
     FIG3,
@@ -34,7 +35,7 @@ from analysis.numerics import (
     main,
     make_numerics_report,
 )
-from analysis.report import ARTIFACT_DIR, make_report
+from analysis.report import make_report
 from analysis.synthetic import log_sweep
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL
 from fp8rl_core.tracking import (

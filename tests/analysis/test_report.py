@@ -8,7 +8,8 @@ from mlflow import MlflowClient
 
 from analysis.claims import check_claims
 from analysis.config import AnalysisConfig
-from analysis.report import ARTIFACT_DIR, CLAIM_TAG, make_report, ui_link
+from analysis.links import ARTIFACT_DIR, ui_link
+from analysis.report import CLAIM_TAG, make_report
 from analysis.synthetic import log_sweep, synthetic_runs
 
 
