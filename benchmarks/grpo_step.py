@@ -35,8 +35,11 @@ BF16 hardware (AVX2 only: torch's BF16 matmuls there are 10-30x slower than FP32
 the fp32 floor, and `--no-trl-bf16` gives TRL the same precision. `<recipe>-emulated` / `<recipe>-native`
 (e.g. `bf16-emulated`): the recipe in BF16 with model.bf16_compute=emulated / native, whatever --dtype says;
 a plain recipe takes `auto` (native on CPUs with AVX512_BF16 / AMX, emulated elsewhere: the header says
-which). Issue goal: the emulated BF16 step within 1.15x of the fp32 step (its GEMMs are the same FP32
-GEMMs plus BF16 roundings), printed with the CPU flags that decide `auto`. Every row of ours starts from
+which). `<recipe>@key=value[,key=value]` (e.g. `fp8_e2e@format=mxfp8`): the recipe with those `fp8.*` knobs
+(issue 23's formats and knobs). Column `x first`: s/step over the first row of ours, measured in the same
+run (the step cost of a knob against the default recipe). Issue goal: the emulated BF16 step within 1.15x
+of the fp32 step (its GEMMs are the same FP32 GEMMs plus BF16 roundings), printed with the CPU flags that
+decide `auto`. Every row of ours starts from
 the same checkpoint (the warm start of the first recipe's config, model.path), so that all do the same
 work from the same policy; the fp32 row used to train its own FP32 warm start. `--before` adds `fp8_gen` / `fp8_e2e`
 rows with the pure-torch quantizer and no weight cache (FP8RL_FUSED=0 FP8RL_WEIGHT_CACHE=0: the code paths
@@ -79,6 +82,8 @@ def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
     `<recipe>-native`: the recipe in BF16 with model.bf16_compute emulated / native; `<recipe> before`:
     the recipe. With args.model_path set every variant starts from that checkpoint."""
     recipe = recipe.removesuffix(" before")
+    recipe, _, knobs = recipe.partition("@")
+    fp8 = [f"fp8.{kv}" for kv in knobs.split(",") if kv]
     base, _, path = recipe.rpartition("-")
     if recipe == "fp32":
         dtype = ["recipe=bf16", "model.dtype=fp32"]
@@ -86,7 +91,7 @@ def run_config(args: argparse.Namespace, recipe: str) -> RunConfig:
         dtype = [f"recipe={base}", "model.dtype=bf16", f"model.bf16_compute={path}"]
     else:
         dtype = [f"recipe={recipe}", f"model.dtype={args.dtype}"]
-    overrides = [*dtype, f"threads={args.threads}", "device=cpu",
+    overrides = [*dtype, *fp8, f"threads={args.threads}", "device=cpu",
                  f"rollout.prompts_per_step={args.prompts}", f"rollout.samples_per_prompt={args.group}",
                  f"rollout.max_new_tokens={args.max_new_tokens}", f"warmstart.cache_dir={args.cache_dir}"]
     if args.warmstart_steps is not None:
@@ -240,7 +245,7 @@ def time_trl(cfg: RunConfig, ckpt: Path, rng: random.Random, args: argparse.Name
     return {"times": timer.times[w:], "tokens": timer.tokens[w:], "gen": gen, "reward": timer.reward[w:]}
 
 
-def row(name: str, r: dict[str, Any], baseline: float | None) -> str:
+def row(name: str, r: dict[str, Any], baseline: float | None, first: float | None = None) -> str:
     s = statistics.median(r["times"])
     tok_s = sum(r["tokens"]) / sum(r["times"])
     tokens = statistics.mean(r["tokens"])
@@ -248,7 +253,9 @@ def row(name: str, r: dict[str, Any], baseline: float | None) -> str:
     rest = statistics.median([t - g for t, g in zip(r["times"], r["gen"])])
     ratio = f"{baseline / s:>7.2f}x" if baseline else f"{'-':>8}"
     reward = statistics.mean(r["reward"])
-    return f"{name:<20} {s:>9.3f} {gen:>8.3f} {rest:>9.3f} {tokens:>7.0f} {tok_s:>9.0f} {reward:>7.3f} {ratio}"
+    rel = f"{s / first:>8.2f}" if first else f"{'-':>8}"
+    return (f"{name:<36} {s:>9.3f} {gen:>8.3f} {rest:>9.3f} {tokens:>7.0f} {tok_s:>9.0f} {reward:>7.3f} {ratio}"
+            f" {rel}")
 
 
 def print_goals(ours: dict[str, dict[str, Any]], trl_r: dict[str, Any] | None, dtype: str = "bf16") -> None:
@@ -323,12 +330,13 @@ def main() -> None:
     ours = time_ours(args, names)
     trl_r = time_trl(cfg, ckpt, ours[args.recipes[0]]["rng"], args) if args.trl else None
     base = statistics.median(trl_r["times"]) if trl_r else None
-    print(f"{'implementation':<20} {'s/step':>9} {'gen s':>8} {'rest s':>9} {'tokens':>7} {'tokens/s':>9} "
-          f"{'reward':>7} {'TRL/ours':>8}")
+    print(f"{'implementation':<36} {'s/step':>9} {'gen s':>8} {'rest s':>9} {'tokens':>7} {'tokens/s':>9} "
+          f"{'reward':>7} {'TRL/ours':>8} {'x first':>8}")
     if trl_r:
         print(row(f"TRL {'bf16' if args.trl_bf16 else 'fp32'}", trl_r, base))
+    first = statistics.median(ours[args.recipes[0]]["times"])
     for recipe, r in ours.items():
-        print(row(f"ours {recipe}", r, base))
+        print(row(f"ours {recipe}", r, base, first))
     print_goals(ours, trl_r, args.dtype)
     print(f"load average (1, 5, 15 min): before {tuple(round(x, 2) for x in load0)}, "
           f"after {tuple(round(x, 2) for x in os.getloadavg())}")
