@@ -73,13 +73,16 @@ from analysis.figures import save  # noqa: E402
 from analysis.kernels import only_kernels  # noqa: E402
 from analysis.links import ARTIFACT_DIR, ui_link
 from analysis.stats import p_value, t_interval  # noqa: E402
+from fp8rl_core.config import Fp8Spec  # noqa: E402
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL  # noqa: E402
+from fp8rl_core.fp8.formats import FORMATS  # noqa: E402  (torch-free registry)
 from fp8rl_core.tracking import M_MISMATCH, TAG_SEED, TAIL_FRACTIONS  # noqa: E402
 
 DEFAULT_ARM = "default"
-# the knobs and their defaults, as the params read (strings); the order of labels and of the table
-KNOB_DEFAULTS = {"fp8.format": "block128", "fp8.scale_format": "auto", "fp8.quantize_from": "bf16",
-                 "fp8.lm_head": "bf16", "fp8.bf16_first_layers": "0", "fp8.bf16_last_layers": "0"}
+# the knobs and their defaults as the params read them (strings), from the run config itself; the order
+# of labels and of the table
+KNOBS = ("format", "scale_format", "quantize_from", "lm_head", "bf16_first_layers", "bf16_last_layers")
+KNOB_DEFAULTS = {f"fp8.{k}": str(getattr(Fp8Spec(), k)) for k in KNOBS}
 FORMAT, SCALE_FORMAT = "fp8.format", "fp8.scale_format"
 LEGACY_POW2 = "fp8.power_of_two_scales"  # true = scale_format pow2
 INT_KNOBS = ("fp8.bf16_first_layers", "fp8.bf16_last_layers")
@@ -126,11 +129,7 @@ def figure_metrics(cfg: AnalysisConfig) -> list[str]:
 # --- arms ------------------------------------------------------------------------------------------
 
 def _default_scale_format(fmt: str) -> str | None:
-    """The format's own default scale format (what `auto` resolves to), None when unknown here."""
-    try:
-        from fp8rl_core.fp8.formats import FORMATS
-    except ImportError:  # an older core without the formats table: only `auto` is the default
-        return None
+    """The format's own default scale format (what `auto` resolves to), None for an unknown format."""
     f = FORMATS.get(fmt)
     return f.default_scale_format if f is not None else None
 
