@@ -1,6 +1,6 @@
 """Usage: python benchmarks/fp8_numerics.py [--quick] [--compile off|on] [--device cpu|cuda] [--repeats N]
                                          [--executors a,b] [--tokens M] [--sizes 256,1024] [--no-quant]
-                                         [--threads N] [--bf16] [--clock wall|cpu]
+                                         [--threads N] [--bf16] [--clock wall|cpu] [--only cpu-paths]
 
 Blockwise-FP8 numerics speed, every number measured in this one run against a baseline of the same run
 (issue 16's goals in the `goal` column):
@@ -15,11 +15,22 @@ Blockwise-FP8 numerics speed, every number measured in this one run against a ba
      on a CPU without BF16 hardware, no casts around the layer, as the FP32 baseline). The weight is re-quantized
      in every timed step (`invalidate()`): the most that once per optimizer step costs; `reference` runs
      the pure-torch quantizer (FP8RL_FUSED=0).
+On the CPU, issue 25's rows, for the CPU it runs on (the header names the kernel flags, the fused quantizer's
+vector path and the GEMM executor they chose; `--only cpu-paths` runs just these):
+  3. FP32 quantize + dequantize of S x S (public functions, fused kernel) vs a copy into a buffer: ratio
+     copy / (quantize + dequantize), goal >= 0.5 on the AVX-512 path (~0.29 was the AVX2 path's floor); the
+     library's own combination (FP32 dequantized copy, no codes: the emulated GEMM's activations); and the
+     floor of any function returning a fresh FP32 S x S tensor (huge-page-advised, written once);
+  4. Fp8Linear forward + backward (BF16 x and dY, FP32 master weights, re-quantized each step) vs nn.Linear in
+     BF16, M = 2048, K = N in (256, 1024), 1 thread and the default threads: the selected executor (goal
+     ratio <= 1.0 where the CPU has BF16 dot products, avx512_bf16 or amx_bf16) and `emulated` beside it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import mmap
 import os
 import sys
 import time
@@ -30,8 +41,17 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fp8rl_core.fp8 import Fp8Linear, dequantize_blockwise, fused_cpu, kernels, quantize_blockwise, select_executor  # noqa: E402
+from fp8rl_core.fp8 import (  # noqa: E402
+    Fp8Linear,
+    cpu_features,
+    dequantize_blockwise,
+    fused_cpu,
+    kernels,
+    quantize_blockwise,
+    select_executor,
+)
 from fp8rl_core.fp8.emulate import ieee_fp32_matmul  # noqa: E402
+from fp8rl_core.fp8.quant import quantize_2d  # noqa: E402
 
 CLOCK = time.perf_counter  # --clock cpu: time.process_time
 
@@ -147,7 +167,96 @@ def step_case(layer: nn.Module, x: torch.Tensor, dy: torch.Tensor, executor: str
     return step
 
 
-def main() -> None:
+BF16_DOT = ("avx512_bf16", "amx_bf16")  # either gives the CPU BF16 dot products with FP32 accumulation
+
+
+def cpu_paths_line() -> str:
+    """What chose the CPU paths of the rows below: the kernel flags, the quantizer's path, the GEMM executor."""
+    return (f"# cpu kernel flags: {cpu_features.kernel_flags()}; fused quantizer path: {fused_cpu.simd_path()}; "
+            f"GEMM executor (cpu): {select_executor('cpu')}")
+
+
+def fresh_output(shape: tuple[int, int]) -> torch.Tensor:
+    """A new FP32 tensor advised onto huge pages (as fused_cpu.c advises its outputs) and written once: the
+    least any function returning a fresh tensor of this size pays (page faults, the kernel's zeroing, stores)."""
+    t = torch.empty(shape)
+    huge, p = 1 << 21, t.data_ptr()
+    a, b = -(-p // huge) * huge, (p + t.numel() * 4) // huge * huge
+    if b > a and hasattr(mmap, "MADV_HUGEPAGE"):
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), mmap.MADV_HUGEPAGE)
+    return t.fill_(0.0)
+
+
+def qdq_fp32_rows(size: int, repeats: int) -> list[tuple]:
+    """Issue 25 (a): copy / (quantize + dequantize) of an FP32 size x size tensor, the fused kernel."""
+    x = torch.randn(size, size)
+    buf = torch.empty_like(x)
+    path = fused_cpu.simd_path()
+    note = f"path {path} ({' '.join(fused_cpu.PATH_NEEDS.get(path or '', ())) or 'no vector flags'})"
+    goal = {"avx512": ">= 0.50", "avx2": "~0.29"}.get(path or "", "")
+    cases: dict[str, Callable[[], object]] = {"copy": lambda: buf.copy_(x)}
+    for block in ((1, 128), (128, 128)):
+        q, s = quantize_blockwise(x, block)
+        cases[f"q {block}"] = qdq_part(lambda block=block: quantize_blockwise(x, block))
+        cases[f"dq {block}"] = qdq_part(lambda block=block, q=q, s=s: dequantize_blockwise(q, s, block))
+    cases["deq only"] = qdq_part(lambda: quantize_2d(x, (1, 128), power_of_two=False, check_finite=True, name="x",
+                                                     want_dequant=True, want_q=False))
+    cases["fresh"] = lambda: fresh_output((size, size))
+    t = best_times(cases, repeats, torch.device("cpu"))
+    nbytes, shape = 2 * x.numel() * 4, f"fp32 {size}x{size}"
+    rows = [(f"copy {shape} into a buffer", t["copy"], nbytes / t["copy"] / 1e9, 1.0, "", "baseline")]
+    for block in ((1, 128), (128, 128)):
+        both = t[f"q {block}"] + t[f"dq {block}"]
+        rows += [(f"quantize {block} {shape} -> e4m3", t[f"q {block}"], nbytes / t[f"q {block}"] / 1e9,
+                  t["copy"] / t[f"q {block}"], "", note),
+                 (f"dequantize {block} e4m3 -> {shape}", t[f"dq {block}"], nbytes / t[f"dq {block}"] / 1e9,
+                  t["copy"] / t[f"dq {block}"], "", note),
+                 (f"quantize + dequantize {block} {shape}", both, nbytes / both / 1e9, t["copy"] / both, goal, note)]
+    rows += [(f"quantize (1, 128) {shape} -> fp32 dequantized only", t["deq only"], nbytes / t["deq only"] / 1e9,
+              t["copy"] / t["deq only"], "", "the emulated GEMM's activations"),
+             (f"floor: a fresh {shape} output written", t["fresh"], nbytes / t["fresh"] / 1e9, t["copy"] / t["fresh"],
+              "", "huge-page-advised; dequantize's least")]
+    return rows
+
+
+def qdq_part(fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the fused kernel on (whatever FP8RL_FUSED says)."""
+    def run() -> object:
+        with quantizer("fused"):
+            return fn()
+
+    return run
+
+
+def bf16_linear_rows(m: int, sizes: list[int], repeats: int, threads: list[int]) -> list[tuple]:
+    """Issue 25 (b): Fp8Linear fwd+bwd / nn.Linear BF16 fwd+bwd on the CPU, the selected executor and emulated."""
+    selected, old = select_executor("cpu"), torch.get_num_threads()
+    dot = [f for f in BF16_DOT if cpu_features.has(f)]
+    goal, flags = ("<= 1.00" if dot else ""), " ".join(dot) or "no BF16 dot products"
+    rows = []
+    try:
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            for k in sizes:
+                x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+                dy = torch.randn(m, k, dtype=torch.bfloat16)
+                fp8 = Fp8Linear.from_linear(nn.Linear(k, k))  # FP32 master weights, as in training
+                cases = {"bf16": step_case(nn.Linear(k, k, dtype=torch.bfloat16), x, dy)}
+                cases.update({name: step_case(fp8, x, dy, name) for name in dict.fromkeys([selected, "emulated"])})
+                t = best_times(cases, repeats, torch.device("cpu"))
+                flops, where = 3 * 2 * m * k * k, f"M={m} K=N={k} {n_threads}T"
+                rows.append((f"nn.Linear bf16 fwd+bwd {where}", t["bf16"], flops / t["bf16"] / 1e12, 1.0, "",
+                             f"baseline ({flags})"))
+                rows += [(f"Fp8Linear [{name}] fwd+bwd {where}", t[name], flops / t[name] / 1e12,
+                          t[name] / t["bf16"], goal if name == selected else "",
+                          f"{'selected' if name == selected else 'for comparison'} ({flags})")
+                         for name in cases if name != "bf16"]
+    finally:
+        torch.set_num_threads(old)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (1024^2 quantize, M=1024, K=N in 256,1024)")
     ap.add_argument("--compile", choices=("off", "on"), default="off", help="add torch.compile'd quantizer rows")
@@ -161,7 +270,9 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="add nn.Linear BF16 rows on the CPU (slow without AVX512-BF16)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: the process's CPU time (with --threads 1, the compute time on a shared machine)")
-    args = ap.parse_args()
+    ap.add_argument("--only", choices=("cpu-paths",), default=None,
+                    help="cpu-paths: only the CPU path rows (FP32 quantize+dequantize, Fp8Linear vs BF16 nn.Linear)")
+    args = ap.parse_args(argv)
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     if args.threads:
@@ -178,8 +289,17 @@ def main() -> None:
     print(f"# torch {torch.__version__}, device {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}), "
           f"{args.clock} clock")
-    rows: list[tuple] = [] if args.no_quant else quant_rows(size, args.repeats, device, modes)
-    rows += linear_rows(m, sizes, args.repeats, device, executors, modes[:2], args.bf16 or device.type == "cuda")
+    rows: list[tuple] = []
+    if args.only is None:
+        rows += [] if args.no_quant else quant_rows(size, args.repeats, device, modes)
+        rows += linear_rows(m, sizes, args.repeats, device, executors, modes[:2], args.bf16 or device.type == "cuda")
+    if device.type == "cpu":
+        print(cpu_paths_line())
+        rows += [] if args.no_quant else qdq_fp32_rows(size, args.repeats)
+        if args.bf16 or any(cpu_features.has(f) for f in BF16_DOT):
+            rows += bf16_linear_rows(m, sizes, args.repeats, sorted({1, torch.get_num_threads()}))
+        else:
+            print(f"# Fp8Linear vs BF16 nn.Linear rows skipped: no {' or '.join(BF16_DOT)} here (--bf16 runs them)")
     print(f"| {'case':<58} | {'time ms':>9} | {'GB/s or TFLOP/s':>15} | {'ratio':>6} | {'goal':>7} | note")
     print(f"|{'-' * 60}|{'-' * 11}|{'-' * 17}|{'-' * 8}|{'-' * 9}|-----")
     for name, t, rate, ratio, goal, note in rows:

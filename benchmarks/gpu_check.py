@@ -1,325 +1,132 @@
-"""One device check for a lent GPU (an H200, well within 8 minutes): FP8 GEMMs, GRPO steps, optional backends.
+"""The device check for a lent GPU (one H200, one call of at most 6 minutes): six phases, rows written as they finish.
 
-Usage: python benchmarks/gpu_check.py [--out gpu_check.json] [--executor scaled_mm] [--sections a,b,c]
-                                      [--sizes 4096,1024] [--repeats 5] [--recipes bf16 fp8_gen fp8_e2e]
-                                      [--warmstart-steps 200] [--steps 2] [--backend-timeout 300]
-                                      [--deadline 480] [--budgets a=90,b=150,c=240]
-       python benchmarks/gpu_check.py --allow-cpu      # tiny sizes on the CPU: the same code paths, for tests
+Usage: python benchmarks/gpu_check.py [--out-dir DIR] [--phases env,preflight,...] [--deadline 300]
+                                      [--budgets grpo=120,...] [--strict] [--cpu] [options below]
+       bash benchmarks/device_check.sh [--cpu] OUT_DIR      # the one command for the lent machine (README there)
 
-Time: an overall --deadline (default 480 s, under the 8 minutes a lent GPU gives one command) and
-per-section --budgets (seconds; default a=90, b=150, c=240). A case starts only while both its
-section's budget and the overall deadline have at least MIN_START_S left; otherwise it becomes a
-`skipped` row saying which limit stopped it, and the backend subprocesses of section c get the time
-that is left as their timeout (at most --backend-timeout). The end of the output lists every skipped
-row and why.
+Phases, in order (benchmarks/gpu_phases/<name>.py holds each, its docstring the details):
+  env        versions, the GPU and its capabilities, which imports work (mlflow, submitit, pytest, vLLM,
+             Transformer Engine and Megatron must not be imported by the check's chain: the machine has none)
+  preflight  select_executor (scaled_mm on SM90), fp8rl_core.fp8.preflight over the ~1B policy's GEMM shapes
+             eager and compiled, and the blockwise GEMM at 4096^3 against BF16 and against the emulation
+  linear     Fp8Linear forward + backward vs BF16 nn.Linear at 4096^3, quantization included, eager and compiled
+  grpo       a GRPO step per recipe (bf16, fp8_gen, fp8_e2e) on a random-init ~1B Llama: time per phase,
+             token_mult_prob_error, CUDA peak memory against memory_plan's estimate
+  fsdp       FSDP2 on a one-rank NCCL mesh against the unsharded engine, and a DCP save + load
+  megatron   Megatron-Core BF16 (local spec) against the native engine, where megatron-core is installed
+--cpu (alias --allow-cpu): the same phases at tiny sizes on the CPU (gloo, the emulated executor, the
+aot_eager compile backend): the smoke CI runs (tests/benchmarks/test_device_check.py).
 
-Sections (each case guarded: a failure becomes an `error` row and the rest still run):
-  a) Fp8Linear forward + backward (y, dX, dW) through the GEMM executor under test (--executor, else
-     $FP8RL_GEMM, else the best one here: torch's blockwise scaled_mm on Hopper) against the CPU-faithful
-     emulation run on the same device (`max rel diff` = max over y, dX, dW of max|a - b| / max|b|) and
-     against BF16 nn.Linear (`x baseline` = time / BF16 time; TFLOP/s = 3 GEMMs of 2*M*N*K) at
-     M = K = N in --sizes (4096 and 1024 on a GPU).
-  b) one GRPO step of the `tiny` preset per recipe through fp8rl_core's native engines (benchmarks/
-     engine_step.py's worker, in this process): median step time over --steps after one warm-up step,
-     and token_mult_prob_error; `x baseline` = step time / bf16's. The warm start is trained briefly
-     (--warmstart-steps) into a temporary cache.
-  c) the same step with engines.generation=vllm (recipes bf16, fp8_gen) and engines.training=megatron
-     (bf16, fp8_e2e), each in a subprocess with a timeout, only where the packages are installed and
-     CUDA is there; otherwise one row says why ("not installed" / "needs CUDA").
-Prints a Markdown table at the end; --out also writes it as JSON. Without CUDA (and no --allow-cpu) it
-says so and exits 0 having run nothing heavy. Exit status 0 unless --strict and a row is an error.
+Output: each row is appended the moment it is made to DIR/device_check.jsonl (one JSON object per line:
+phase, case, status, the numeric columns, note, data) and DIR/device_check.md (a Markdown table), flushed
+and fsynced, so a run killed at any instant keeps every finished row; a completed run ends with a row of
+phase `end`. status: ok | fail (ran, a check failed) | error (raised; traceback on stderr) | skipped (why).
+A crash (a segfault, an abort: a process death no row can report) ends one process; device_check.sh then
+starts another with --resume, which writes an error row for the case that died and goes on with the next phase.
+Time: an overall --deadline counted from the process's start (default 300 s: the 6-minute call less a
+margin; device_check.sh kills the process at 340 s) and per-phase --budgets; a case starts only while both
+have MIN_START_S left, otherwise it is a `skipped` row naming the limit. Without CUDA (and no --cpu) it
+says so and exits 0 having run nothing. Exit status 0 unless --strict and a row is `fail` or `error`.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from argparse import Namespace
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+START = time.monotonic()  # the deadline counts from here: importing torch and starting CUDA take its time too
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
-import engine_step  # noqa: E402  (benchmarks/engine_step.py: the GRPO-step worker)
 import torch  # noqa: E402
-from fp8_numerics import timeit  # noqa: E402  (best-of-N wall time, CUDA-synchronised)
-from torch import nn  # noqa: E402
+from gpu_phases import env, fsdp, gemm, grpo, linear, megatron  # noqa: E402
+from gpu_phases.common import MIN_START_S, Clock, Report, Run, row  # noqa: E402
 
-COLUMNS = ("section", "case", "status", "time_ms", "ratio", "tflops", "max_rel_diff", "tmpe", "note")
-DEFAULT_DEADLINE_S = 480.0
-DEFAULT_BUDGETS = {"a": 90.0, "b": 150.0, "c": 240.0}
-MIN_START_S = 5.0  # a case needs at least this much time left (in its section and overall) to start
-
-
-class Clock:
-    """The overall deadline and the per-section budgets (seconds from construction / from a section's start)."""
-
-    def __init__(self, deadline_s: float, budgets: dict[str, float], now: Callable[[], float] = time.monotonic):
-        self.deadline_s, self.budgets, self.now = deadline_s, budgets, now
-        self.t0 = now()
-        self.section_t0: dict[str, float] = {}
-
-    def left(self) -> float:
-        return self.deadline_s - (self.now() - self.t0)
-
-    def section_left(self, section: str) -> float:
-        start = self.section_t0.setdefault(section, self.now())
-        return self.budgets.get(section, float("inf")) - (self.now() - start)
-
-    def why_not(self, section: str) -> str | None:
-        """Why a new case of `section` may not start now, or None."""
-        overall, own = self.left(), self.section_left(section)
-        if overall < MIN_START_S:
-            return f"overall deadline: {max(overall, 0):.0f} s left of {self.deadline_s:.0f} s (--deadline)"
-        if own < MIN_START_S:
-            return (f"section {section} budget: {max(own, 0):.0f} s left of {self.budgets[section]:.0f} s "
-                    f"(--budgets {section}=...)")
-        return None
-
-    def timeout(self, section: str, cap: float) -> float:
-        """Seconds a subprocess of `section` may run: what is left of both limits, at most cap."""
-        return max(min(cap, self.left(), self.section_left(section)), 1.0)
+PHASES = {"env": env.run, "preflight": gemm.run, "linear": linear.run, "grpo": grpo.run, "fsdp": fsdp.run,
+          "megatron": megatron.run}
+DEFAULT_DEADLINE_S = 300.0
+# each phase's cap in seconds; together a little under the deadline, so that every phase gets its turn
+DEFAULT_BUDGETS = {"env": 15.0, "preflight": 45.0, "linear": 50.0, "grpo": 100.0, "fsdp": 40.0, "megatron": 40.0}
+# (GPU, --cpu) defaults of the size options
+SIZES = {
+    "sizes": ([4096], [128]),
+    "gemm_size": (4096, 256),
+    "repeats": (5, 1),
+    "compile_backend": ("inductor", "aot_eager"),
+    "prompts": (16, 2),
+    "samples": (8, 2),
+    "new_tokens": (32, 4),
+    "preflight_ms": ([126, 4096], [4, 64]),
+    "preflight_compiled_ms": ([126, 4096], [4]),
+    "preflight_compiled_max": (0, 3),
+    "threads": (8, 1),
+}
+__all__ = ["DEFAULT_BUDGETS", "MIN_START_S", "Clock", "main", "parse_budgets"]
 
 
-def timed(clock: Clock, section: str, case: str, fn: Callable[[], list[dict]]) -> list[dict]:
-    """guarded(fn) if the clock allows a new case of `section`, else one skipped row saying why."""
-    why = clock.why_not(section)
-    if why:
-        return [row(section, case, "skipped", note=f"not started: {why}")]
-    return guarded(section, case, fn)
-
-
-def row(section: str, case: str, status: str = "ok", **fields: Any) -> dict[str, Any]:
-    return {"section": section, "case": case, "status": status, **{k: fields.get(k) for k in COLUMNS[3:]}}
-
-
-def guarded(section: str, case: str, fn: Callable[[], list[dict]]) -> list[dict]:
-    """fn()'s rows, or one error row (traceback to stderr) if it raises."""
-    try:
-        return fn()
-    except Exception as exc:  # noqa: BLE001  (a check script reports every failure and goes on)
-        traceback.print_exc(file=sys.stderr)
-        first = (str(exc).strip().splitlines() or [""])[0][:240]
-        return [row(section, case, "error", note=f"{type(exc).__name__}: {first}")]
-
-
-# ---- a) FP8 GEMMs ----------------------------------------------------------------------------------
-@contextlib.contextmanager
-def gemm_executor(name: str) -> Iterator[None]:
-    """Run the block with $FP8RL_GEMM=name (fp8rl_core.fp8.gemm reads it at every GEMM)."""
-    old = os.environ.get("FP8RL_GEMM")
-    os.environ["FP8RL_GEMM"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("FP8RL_GEMM", None)
-        else:
-            os.environ["FP8RL_GEMM"] = old
-
-
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b| (normwise: elementwise ratios blow up where b ~ 0)."""
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
-def linear_rows(n: int, device: torch.device, executor: str, repeats: int) -> list[dict]:
-    """BF16 nn.Linear vs Fp8Linear [executor] vs Fp8Linear [emulated], fwd + bwd at M = K = N = n."""
-    from fp8rl_core.fp8 import Fp8Linear
-
-    torch.manual_seed(0)
-    ref = nn.Linear(n, n, device=device, dtype=torch.bfloat16)
-    fp8 = Fp8Linear.from_linear(ref)
-    x = torch.randn(n, n, device=device, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-
-    def step(layer: nn.Module) -> torch.Tensor:
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        y = layer(x)
-        y.backward(dy)
-        return y
-
-    def run(layer: nn.Module, name: str | None) -> tuple[float, list[torch.Tensor]]:
-        with gemm_executor(name) if name else contextlib.nullcontext():
-            y = step(layer)
-            outs = [y.detach().float(), x.grad.float(), layer.weight.grad.float()]
-            return timeit(lambda: step(layer), repeats, device), outs
-
-    flops, case = 3 * 2 * n**3, f"M=K=N={n}"
-    t_ref, bf16 = run(ref, None)
-    t_hw, hw = run(fp8, executor)
-    t_emu, emu = run(fp8, "emulated")
-    diffs = [rel_diff(a, b) for a, b in zip(hw, emu)]
-    per = ", ".join(f"{k} {d:.1e}" for k, d in zip(("y", "dX", "dW"), diffs))
-    vs_bf16 = ", ".join(f"{k} {rel_diff(a, b):.1e}" for k, a, b in zip(("y", "dX", "dW"), emu, bf16))
-    return [row("a", f"nn.Linear bf16 fwd+bwd {case}", time_ms=t_ref * 1e3, ratio=1.0, tflops=flops / t_ref / 1e12,
-                note="baseline"),
-            row("a", f"Fp8Linear [{executor}] fwd+bwd {case}", time_ms=t_hw * 1e3, ratio=t_hw / t_ref,
-                tflops=flops / t_hw / 1e12, max_rel_diff=max(diffs), note=f"vs emulated: {per}"),
-            row("a", f"Fp8Linear [emulated] fwd+bwd {case}", time_ms=t_emu * 1e3, ratio=t_emu / t_ref,
-                tflops=flops / t_emu / 1e12, note=f"FP8 vs bf16: {vs_bf16}")]
-
-
-def section_a(args: Namespace, device: torch.device, clock: Clock) -> list[dict]:
-    from fp8rl_core.fp8 import select_executor
-
-    executor = args.executor or os.environ.get("FP8RL_GEMM") or select_executor(device)
-    rows = []
-    if executor == "emulated":  # no hardware executor here: still compare two different code paths
-        executor = "emulated_blockwise"
-        if device.type == "cuda":
-            rows.append(row("a", "hardware FP8 GEMM executor", "skipped",
-                            note="none available (select_executor chose 'emulated'): not an SM90 GPU, "
-                                 "or this torch lacks blockwise scaled_mm"))
-    for n in args.sizes:
-        rows += timed(clock, "a", f"Fp8Linear M=K=N={n}", lambda n=n: linear_rows(n, device, executor, args.repeats))
-    return rows
-
-
-# ---- b) and c) GRPO steps --------------------------------------------------------------------------
-def step_overrides(args: Namespace, device: torch.device, work: Path) -> list[str]:
-    """Run-config overrides shared by every GRPO-step case (engine_step's --set items)."""
-    sets = [f"device={device.type}", f"warmstart.steps={args.warmstart_steps}", f"output_dir={work / 'runs'}"]
-    if device.type == "cpu":  # the --allow-cpu smoke: tiny batches
-        sets += ["warmstart.batch_size=8", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-                 "rollout.max_new_tokens=4", "task.val_size=4"]
-    return sets + list(args.set)
-
-
-def step_row(section: str, case: str, result: dict, baseline: float | None) -> dict:
-    steps = result["steps"]
-    t = statistics.median(s["step"] for s in steps)
-    return row(section, case, time_ms=t * 1e3, ratio=t / baseline if baseline else None,
-               tmpe=statistics.mean(s["tmpe"] for s in steps),
-               note=f"{result['batch']} sequences, median of {len(steps)} steps")
-
-
-def warm_start(ns: Namespace) -> list[dict]:
-    """Train the warm start once (cached in ns.cache_dir) so that no timed case pays for it."""
-    t0 = time.perf_counter()
-    engine_step.warm_start(ns)
-    return [row("b", "warm start (once)", time_ms=(time.perf_counter() - t0) * 1e3, note="not timed elsewhere")]
-
-
-def section_b(args: Namespace, ns: Namespace, clock: Clock) -> tuple[list[dict], float | None]:
-    rows, base = [], None
-    for recipe in args.recipes:
-        def one(recipe: str = recipe, base: float | None = base) -> list[dict]:
-            r = engine_step.worker(ns, recipe)
-            return [step_row("b", f"GRPO step tiny [{recipe}] native engines", r, base)]
-        got = timed(clock, "b", f"GRPO step tiny [{recipe}] native engines", one)
-        if recipe == "bf16" and got[0]["status"] == "ok":
-            base, got[0]["ratio"] = got[0]["time_ms"] / 1e3, 1.0
-        rows += got
-    return rows, base
-
-
-def worker_subprocess(ns: Namespace, recipe: str, extra: list[str], timeout: float) -> dict:
-    """engine_step's worker for `recipe` in a fresh process (vLLM / Megatron keep process-wide state)."""
-    cmd = [sys.executable, str(HERE / "engine_step.py"), "--worker", recipe, "--steps", str(ns.steps),
-           "--warmup", str(ns.warmup), "--threads", str(ns.threads), "--cache-dir", ns.cache_dir]
-    for item in [*ns.set, *extra]:
-        cmd += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": engine_step._pythonpath()}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if proc.returncode != 0:
-        tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()][-1:] or ["(no stderr)"]
-        sys.stderr.write(proc.stderr[-4000:])
-        raise RuntimeError(f"worker exit {proc.returncode}: {tail[0]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def backend_missing(modules: tuple[str, ...], has_cuda: bool, hint: str) -> str | None:
-    """Why a backend row cannot run here, or None (find_spec only: importing vLLM without CUDA may crash)."""
-    absent = [m for m in modules if importlib.util.find_spec(m.split(".")[0]) is None
-              or importlib.util.find_spec(m) is None]
-    if absent:
-        return f"not installed: {', '.join(absent)} ({hint})"
-    return None if has_cuda else "installed, but needs CUDA"
-
-
-def section_c(args: Namespace, ns: Namespace, has_cuda: bool, base: float | None, clock: Clock) -> list[dict]:
-    backends = [("vLLM generation", ("vllm",), "pip install 'fp8rl[vllm]'", "engines.generation=vllm",
-                 ("bf16", "fp8_gen")),
-                ("Megatron-Core training", ("megatron.core", "transformer_engine", "fp8rl_core.engines.megatron_train"),
-                 "pip install 'fp8rl[megatron]'", "engines.training=megatron", ("bf16", "fp8_e2e"))]
-    rows = []
-    for label, modules, hint, setting, recipes in backends:
-        why = backend_missing(modules, has_cuda, hint)
-        if why:
-            rows.append(row("c", label, "skipped", note=why))
-            continue
-        for recipe in recipes:
-            case = f"GRPO step tiny [{recipe}] {label}"
-            rows += timed(clock, "c", case, lambda r=recipe, c=case, s=setting: [step_row(
-                "c", c, worker_subprocess(ns, r, [s], clock.timeout("c", args.backend_timeout)), base)])
-    return rows
-
-
-# ---- report ---------------------------------------------------------------------------------------
-def fmt(value: Any, spec: str) -> str:
-    return "" if value is None else format(value, spec)
-
-
-def markdown(rows: list[dict]) -> str:
-    head = "| section | case | status | time ms | x baseline | TFLOP/s | max rel diff | tmpe | note |"
-    lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['section']} | {r['case']} | {r['status']} | {fmt(r['time_ms'], '.2f')} | "
-                     f"{fmt(r['ratio'], '.2f')} | {fmt(r['tflops'], '.3g')} | {fmt(r['max_rel_diff'], '.2e')} | "
-                     f"{fmt(r['tmpe'], '.5f')} | {r['note'] or ''} |")
-    return "\n".join(lines)
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
 
 
 def parse_args(argv: list[str] | None) -> Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--allow-cpu", action="store_true", help="no CUDA: run a tiny CPU smoke instead of exiting")
-    ap.add_argument("--out", type=Path, help="also write the table as JSON here")
-    ap.add_argument("--executor", help="GEMM executor under test (default: $FP8RL_GEMM, else the best here)")
-    ap.add_argument("--sections", default="a,b,c", help="comma list of a, b, c")
-    ap.add_argument("--sizes", help="comma list of M = K = N for section a (GPU: 4096,1024; CPU: 256,128)")
-    ap.add_argument("--repeats", type=int, help="timed repeats per GEMM case (GPU 5, CPU 1)")
-    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e"])
-    ap.add_argument("--warmstart-steps", type=int, help="supervised warm-start steps (GPU 200, CPU 4)")
-    ap.add_argument("--steps", type=int, default=2, help="measured GRPO steps per case (after 1 warm-up)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: min(8, cores); CPU smoke 1)")
-    ap.add_argument("--backend-timeout", type=float, default=300.0,
-                    help="seconds per vLLM/Megatron case (at most what the deadline and section c's budget leave)")
+    ap.add_argument("--cpu", "--allow-cpu", dest="cpu", action="store_true",
+                    help="the CPU smoke: tiny sizes, gloo, the emulated executor (even where CUDA exists)")
+    ap.add_argument("--out-dir", type=Path, help="append device_check.jsonl and device_check.md here, row by row")
+    ap.add_argument("--out", type=Path, help="also write every row as one JSON document at the end")
+    ap.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
     ap.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                     help=f"overall seconds; no case starts later (default {DEFAULT_DEADLINE_S:.0f})")
-    ap.add_argument("--budgets", default=",".join(f"{k}={v:.0f}" for k, v in DEFAULT_BUDGETS.items()),
-                    help="per-section seconds, e.g. a=90,b=150,c=240 (a section may not start a case past its own)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra run-config override")
-    ap.add_argument("--strict", action="store_true", help="exit 1 if any row is an error")
+    ap.add_argument("--budgets", default="", help="per-phase seconds, e.g. grpo=90,linear=30 (defaults: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in DEFAULT_BUDGETS.items()) + ")")
+    ap.add_argument("--strict", action="store_true", help="exit 1 if any row is fail or error")
+    ap.add_argument("--resume", type=int, metavar="EXIT_STATUS",
+                    help="go on after a run that died with this exit status: keep --out-dir's rows, write an error "
+                         "row for the phase it died in, run the phases after it (device_check.sh does this)")
+    ap.add_argument("--executor", help="FP8 GEMM executor under test (default: $FP8RL_GEMM, else the best here)")
+    ap.add_argument("--sizes", type=ints, help="linear: M = K = N list (GPU 4096; --cpu 128)")
+    ap.add_argument("--gemm-size", type=int, help="preflight: M = K = N of the timed GEMM (GPU 4096; --cpu 256)")
+    ap.add_argument("--preflight-ms", type=ints, help="preflight: decode- and training-sized M (GPU 126,4096: 126 "
+                    "is not a multiple of 4, the padded path; --cpu 4,64)")
+    ap.add_argument("--preflight-compiled-ms", type=ints, help="preflight compiled: the M values (GPU 126,4096; "
+                    "--cpu 4: a compile per shape)")
+    ap.add_argument("--preflight-compiled-max", type=int, help="preflight compiled: at most this many shapes "
+                    "(GPU 0: all, the phase budget permitting; --cpu 3)")
+    ap.add_argument("--repeats", type=int, help="timed repeats, best of (GPU 5, --cpu 1)")
+    ap.add_argument("--compile-backend", help="torch.compile backend (GPU inductor, --cpu aot_eager)")
+    ap.add_argument("--recipes", nargs="+", default=["bf16", "fp8_gen", "fp8_e2e"])
+    ap.add_argument("--steps", type=int, default=2, help="grpo: measured steps per recipe")
+    ap.add_argument("--warmup", type=int, default=1, help="grpo: unmeasured steps first")
+    ap.add_argument("--prompts", type=int, help="grpo: prompts per step (GPU 16, --cpu 2)")
+    ap.add_argument("--samples", type=int, help="grpo: samples per prompt (GPU 8, --cpu 2)")
+    ap.add_argument("--new-tokens", type=int, help="grpo: max new tokens (GPU 32, --cpu 4)")
+    ap.add_argument("--threads", type=int, help="torch threads (GPU 8, --cpu 1)")
     args = ap.parse_args(argv)
-    cpu = not torch.cuda.is_available()
-    args.sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else ([256, 128] if cpu else [4096, 1024])
-    args.repeats = args.repeats or (1 if cpu else 5)
-    args.warmstart_steps = 4 if cpu and args.warmstart_steps is None else (args.warmstart_steps or 200)
-    args.threads = args.threads or (1 if cpu else min(8, os.cpu_count() or 1))
-    args.sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    for key, (gpu, cpu) in SIZES.items():
+        if getattr(args, key) is None:
+            setattr(args, key, cpu if args.cpu else gpu)
+    args.phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    args.requested = list(args.phases)  # args.phases: what this process runs (--resume starts later)
+    unknown = [p for p in args.phases if p not in PHASES]
+    if unknown:
+        raise SystemExit(f"--phases: unknown {', '.join(unknown)}; valid: {', '.join(PHASES)}")
     args.budgets = parse_budgets(args.budgets)
     return args
 
 
 def parse_budgets(text: str) -> dict[str, float]:
-    """'a=90,b=150' -> {"a": 90.0, "b": 150.0, "c": DEFAULT}; sections not named keep their default."""
+    """'grpo=90,linear=30' -> every phase's budget, the ones not named at their default."""
     out = dict(DEFAULT_BUDGETS)
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, _, value = item.partition("=")
         if key not in DEFAULT_BUDGETS or not value:
-            raise SystemExit(f"--budgets: {item!r}; expected section=seconds with section in a, b, c")
+            raise SystemExit(f"--budgets: {item!r}; expected phase=seconds with phase in {', '.join(DEFAULT_BUDGETS)}")
         out[key] = float(value)
     return out
 
@@ -327,55 +134,71 @@ def parse_budgets(text: str) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     has_cuda = torch.cuda.is_available()
-    report: dict[str, Any] = {"torch": torch.__version__, "cuda": has_cuda, "rows": []}
-    if not has_cuda and not args.allow_cpu:
+    if not has_cuda and not args.cpu:
         print("gpu_check: no CUDA GPU here (torch.cuda.is_available() is False); nothing was run. "
-              "Run it on a GPU machine, or with --allow-cpu for a tiny CPU smoke of the same code paths.")
-        print(f"skipped: sections {', '.join(sorted(args.sections))}: no CUDA GPU (torch {torch.__version__})")
-        report["skipped"] = "no CUDA"
+              "Run it on a GPU machine, or with --cpu for a tiny CPU smoke of the same code paths.")
+        print(f"skipped: phases {', '.join(args.phases)}: no CUDA GPU (torch {torch.__version__})")
+        if args.out_dir:
+            Report(args.out_dir, "device check: no CUDA GPU").add(
+                [row("env", "device", "skipped", note="no CUDA GPU: nothing was run (--cpu runs the CPU smoke)")])
         if args.out:
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            args.out.write_text(json.dumps({"torch": torch.__version__, "cuda": False, "rows": [],
+                                            "skipped": "no CUDA"}, indent=2) + "\n")
         return 0
-    device = torch.device("cuda" if has_cuda else "cpu")
-    report["device"] = (torch.cuda.get_device_name(device) if has_cuda
-                        else f"cpu ({torch.get_num_threads()} threads)")
-    print(f"# gpu_check: torch {torch.__version__}, {report['device']}, sections {sorted(args.sections)}", flush=True)
-    t0, rows = time.perf_counter(), []
-    clock = Clock(args.deadline, args.budgets)
-    print(f"# deadline {args.deadline:.0f} s; budgets " + ", ".join(f"{k} {v:.0f} s" for k, v in args.budgets.items()),
-          flush=True)
-    with tempfile.TemporaryDirectory(prefix="fp8rl-gpu-check-") as tmp:
-        work = Path(tmp)
-        ns = Namespace(threads=args.threads, cache_dir=str(work / "warmstart"), warmup=1, steps=args.steps,
-                       set=step_overrides(args, device, work))
-        if "a" in args.sections:
-            rows += section_a(args, device, clock)
-            print(f"# section a done at {time.perf_counter() - t0:.0f}s", flush=True)
-        base = None
-        if args.sections & {"b", "c"}:
-            rows += timed(clock, "b", "warm start", lambda: warm_start(ns))
-        if "b" in args.sections:
-            got, base = section_b(args, ns, clock)
-            rows += got
-            print(f"# section b done at {time.perf_counter() - t0:.0f}s", flush=True)
-        if "c" in args.sections:
-            rows += section_c(args, ns, has_cuda, base, clock)
-    skipped_sections = sorted({"a", "b", "c"} - args.sections)
-    report.update(rows=rows, elapsed_s=time.perf_counter() - t0, deadline_s=args.deadline, budgets=args.budgets,
-                  sections_not_selected=skipped_sections)
-    print(markdown(rows))
-    print(f"\ntotal {report['elapsed_s']:.0f}s (deadline {args.deadline:.0f}s)")
-    skipped = [r for r in rows if r["status"] == "skipped"]
-    if skipped or skipped_sections:
-        print("skipped:")
-        for name in skipped_sections:
-            print(f"- section {name}: not selected (--sections)")
-        for r in skipped:
-            print(f"- [{r['section']}] {r['case']}: {r['note']}")
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(args.threads)
+    what = "CPU smoke (--cpu)" if args.cpu else torch.cuda.get_device_name(device)
+    limits = (f"Deadline {args.deadline:.0f} s; phase budgets "
+              + ", ".join(f"{k} {v:.0f} s" for k, v in args.budgets.items()) + ".")
+    report = Report(args.out_dir, f"device check: torch {torch.__version__}, {what}, phases {', '.join(args.phases)}",
+                    preamble=limits, resume=args.resume is not None)
+    clock = Clock(args.deadline, args.budgets, t0=START)
+    if args.resume is not None:
+        args.phases = after_crash(args, report)
+    with tempfile.TemporaryDirectory(prefix="fp8rl-device-check-") as tmp:
+        run = Run(args=args, device=device, clock=clock, report=report, work=Path(tmp))
+        for name in args.phases:
+            t0 = time.perf_counter()
+            PHASES[name](run)
+            print(f"# phase {name} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    return finish(args, report, clock)
+
+
+def after_crash(args: Namespace, report: Report) -> list[str]:
+    """The phases left after the one a crashed run died in; that one gets an error row naming the case."""
+    running = report.running()
+    done = [r["phase"] for r in report.rows if r["phase"] in PHASES]
+    died, case = running if running and running[0] in PHASES else ((done or args.phases)[-1 if done else 0], "?")
+    finished = any(r["phase"] == died and r["case"] == case for r in report.rows)  # died between cases
+    signal = f"signal {args.resume - 128}" if args.resume > 128 else f"exit status {args.resume}"
+    report.add([row(died, f"process died {'after' if finished else 'in'}: {case}", "error",
+                    note=f"the check's process died ({signal}); the rest of phase {died} was not run, "
+                         "the check went on with the next phase (device_check.sh)")])
+    return args.phases[args.phases.index(died) + 1:] if died in args.phases else args.phases
+
+
+def finish(args: Namespace, report: Report, clock: Clock) -> int:
+    elapsed = clock.now() - clock.t0
+    counts = {s: sum(r["status"] == s for r in report.rows) for s in ("ok", "fail", "error", "skipped")}
+    report.add([row("end", "total", time_ms=elapsed * 1e3,
+                    note=", ".join(f"{v} {k}" for k, v in counts.items()) + f"; deadline {args.deadline:.0f} s",
+                    data=counts)])
+    not_selected = [p for p in PHASES if p not in args.requested]
+    report.text(f"\ntotal {elapsed:.0f} s (deadline {args.deadline:.0f} s)")
+    skipped = [r for r in report.rows if r["status"] == "skipped"]
+    if skipped or not_selected:
+        report.text("skipped:\n" + "\n".join([f"- phase {p}: not selected (--phases)" for p in not_selected]
+                                             + [f"- [{r['phase']}] {r['case']}: {r['note']}" for r in skipped]))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
-    return 1 if args.strict and any(r["status"] == "error" for r in rows) else 0
+        doc: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "rows": report.rows,
+                               "elapsed_s": elapsed, "deadline_s": args.deadline, "budgets": args.budgets,
+                               "phases_not_selected": not_selected}
+        args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return 1 if args.strict and (counts["fail"] or counts["error"]) else 0
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -2,6 +2,7 @@
 
     sweep plan sweeps/fp8_ablation.yaml                      # the cells, their state, nothing launched
     sweep plan sweeps/fp8_ablation.yaml launcher=slurm max_parallel=8 base.train.steps=5
+    sweep plan sweeps/fp8_ablation_llama8b.yaml --preflight    # + each cell's FP8 GEMM shapes, checked here
     sweep run sweeps/fp8_ablation.yaml [--detach]             # run what is not finished; again to resume
     sweep status sweeps/fp8_ablation.yaml --watch              # from any shell
     sweep report sweeps/fp8_ablation.yaml                      # figures, table, claims (also mid-sweep)
@@ -60,7 +61,10 @@ def load_for_work(args: argparse.Namespace) -> Sweep:
 
 
 @command("plan", "show the cells, their state and what `run` would do; launch nothing", sweep_file_args,
-         lambda p: p.add_argument("--all", action="store_true", help="list every cell (default: the first 200)"))
+         lambda p: p.add_argument("--all", action="store_true", help="list every cell (default: the first 200)"),
+         lambda p: p.add_argument("--preflight", action="store_true",
+                                  help="list the FP8 GEMM shapes each cell checks before its first step and check "
+                                       "them here (a CPU: at a small M only); exit 1 if one fails"))
 def plan(args: argparse.Namespace) -> int:
     from launchers.plan.memory import plan_cells, refusal
 
@@ -69,6 +73,14 @@ def plan(args: argparse.Namespace) -> int:
     max_rows = None if args.all else plan_text.DEFAULT_MAX_ROWS
     memory = plan_cells(sweep, expansion.cells) if expansion is not None else None
     sys.stdout.write(plan_text.render_plan(sweep, expansion, STATE_PROVIDER(sweep), max_rows, memory))
+    if args.preflight:
+        from launchers.plan.preflight import preflight_section
+
+        text, failed = preflight_section(sweep, expansion.cells) if expansion is not None else (
+            "\n--preflight: a search's cells are not known before it runs\n", False)
+        sys.stdout.write(text)
+        if failed:
+            return 1
     refused = refusal(sweep, expansion.cells, memory) if expansion is not None else None
     if refused is not None:  # the plan is shown, then refused: `sweep run` would submit nothing
         raise refused

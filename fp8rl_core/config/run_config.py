@@ -203,6 +203,10 @@ class TrainSpec:
     # micro_steps 1: the training forward's detached log-probs are the old log-probs (same weights), so
     # the separate old-log-prob pass is skipped; false keeps it (the two-pass reference for tests)
     reuse_old_logprobs: bool = True
+    # the trainer's log-prob and training passes on the real tokens only, no padding (verl's
+    # use_remove_padding; fp8rl_core/model/packing.py): same log-probs, fewer FLOPs; it changes which
+    # tokens share an FP8 wgrad block and the GEMM shapes, so it enters the cell id when true. Native engine only
+    padding_free: bool = False
 
     def validate(self) -> None:
         check_ranges(self, RANGES, "train")
@@ -341,6 +345,9 @@ class RunConfig:
             fail("engines.kernels", f"matched kernels replay the native generation engine; {native_only[0]} "
                                     "is not native", "distinct, or native engines")
         self._check_low_precision_knobs(native_only)
+        if self.train.padding_free and self.engines.training != "native":
+            fail("train.padding_free", f"runs in the native training engine only; engines.training is "
+                                       f"{self.engines.training!r}", "false, or engines.training native")
         if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
             fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
                                 "BF16/FP16 activations only (fp32 is refused)",
@@ -409,7 +416,8 @@ HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "par
 HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
                                        "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
                                        "engines.kernels": "distinct", "task.scratchpad": False,
-                                       "fp8.format": "block128", "fp8.lm_head": "bf16"}
+                                       "fp8.format": "block128", "fp8.lm_head": "bf16",
+                                       "train.padding_free": False}
 # fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
 # fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
 # engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the

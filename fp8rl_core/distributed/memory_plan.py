@@ -17,8 +17,9 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
                                  generation: each block linear's codes and scales in the recipe's
                                  format (fp8.format; Format.weight_bytes: block128 1 B per parameter
                                  + an FP32 scale per [128,128]; nvfp4 0.5 B + ...), BF16 for the rest
-    bf16_engine 2 N              FP8-generation recipes: a BF16 generation engine beside the FP8 one
-                                 (val_accuracy_bf16_eval, fp8_gen's matched-kernel replay)
+    bf16_engine 2 N              native generation, FP8-generation recipes: a BF16 generation engine
+                                 beside the FP8 one (val_accuracy_bf16_eval, fp8_gen's matched-kernel
+                                 replay); under vLLM see `validation` below
   then the largest of three phases:
     generation  b_gen x (prompt + new) x L x 2 x kv_dim x 2 B       KV cache (BF16); b_gen: the native engine
                                                                     decodes all rows_r = rows / W at once; vLLM
@@ -52,13 +53,49 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
   concurrency x max_model_len x L x 2 x kv_dim x 2 B (concurrency: engines.vllm.max_num_seqs, else
   every row of the rank at once; max_model_len: engines.vllm.max_model_len, else prompt + new; at
   tensor_parallel_size > 1 both split over its GPUs). With sleep mode (engines.vllm.sleep_between_steps)
-  both exist only in the generation phase (sleep(level=1) moves the weights to the host, `host:
-  gen_weights`, and frees the KV pool while the trainer runs); without it they are resident in every phase.
-  The BF16 evaluation engine of an FP8-generation recipe is a second vLLM engine: its weights (2 N / TP)
-  sleep on the host too, and count in the generation phase (validation wakes it while the FP8 engine's
-  refit weights are awake).
+  both exist only in the generation phase (sleep(level=2) after a rollout discards weights and KV pool
+  while the trainer runs; the refit reloads the weights); without it they are resident in every phase.
+  validation (a phase of its own under vLLM, every recipe): the BF16 evaluation engine (val_accuracy_bf16_eval)
+  is the native generation engine in BF16 (loop/builder.py BF16Evaluator; vLLM 0.25.1 runs one sleep-mode
+  engine per process, engines/vllm_gen.py refuses a second). It holds weights only during validation: rank 0
+  refits it after the arm's engine has validated and gone to sleep(level=1) (`host: gen_weights`, with sleep
+  mode), evaluates, and releases it; the other ranks take part in the refit (an all-gather per tensor) and
+  release it at once. The phase is the larger of
+    rank 0:  bf16_engine 2 N (not divided by TP) + bf16_kv_cache b_eval x (prompt + new) x L x 2 x kv_dim x 2 B
+             (the native engine's preallocated cache; b_eval = the vLLM concurrency above, the evaluator's
+             batch) + on CUDA bf16_activations b_eval x prompt x (4 I + 8 h) + b_eval x V x 8 B (a prefill
+             of every row's prompt at once, and the sampled rows' FP32 logits)
+    others:  bf16_engine 2 N + refit_stream (as vLLM's refit below) + vLLM's weights, awake since the
+             step's refit (with sleep mode; without it they are resident anyway)
   Megatron training (Layout.trainer_sharded False): the engine runs one replica per rank, so params,
   optimizer and gradients are not divided by W (see engines/megatron_train.py check_layout).
+
+  On CUDA, beside tensors (device "cuda" only; the CPU measurements below cannot see these):
+    cuda_context  CUDA_CONTEXT_BYTES = 1 GiB per process: the CUDA context (lazy module loading, the
+                  default since CUDA 12.2: about 0.5 GiB as nvidia-smi shows a torch process on Hopper) plus
+                  cuBLAS/cuBLASLt workspaces, rounded up; an assumption until the device check measures it
+    nccl          NCCL_BYTES = 1 GiB per rank at W > 1: NCCL's own buffers for the trainer's communicator
+                  (NCCL_BUFFSIZE, 4 MiB by default, per channel, peer and protocol, up to 32 channels over
+                  NVLink; NVLink SHARP adds its buffers on NVSwitch nodes); an upper bound for one 8-rank
+                  node, to be replaced by the device check's measurement
+    gen_activations  vLLM's forward at its token budget, in PyTorch's cache while it generates:
+                  VLLM_BATCHED_TOKENS x (4 I + 8 h) B (the BF16 gate/up output and a few hidden-size
+                  tensors) + concurrency x V x 8 B (FP32 logits and log-probs of the sampled rows);
+                  VLLM_BATCHED_TOKENS = 16384, vLLM 0.25.1's max_num_batched_tokens for the LLM class on
+                  GPUs of >= 70 GB (engine/arg_utils.py EngineArgs.get_batch_defaults)
+  vLLM refit (a fourth phase): vLLM's weights awake (gen_weights) while the refit streams the trainer's
+    tensors (engines/vllm_convert.py iter_refit_tensors): refit_stream = 4 T_max (one gathered FP32
+    tensor, T_max the largest: embeddings or LM head) + 2 T_max (its converted copy) + 2 N_blk (vLLM's
+    layerwise reload stages one block in checkpoint format; model_loader/reload/layerwise.py). The refit
+    never holds a second copy of the model.
+  PyTorch's caching allocator and vLLM's wake_up: with sleep mode vLLM maps its weights and KV pool with
+    cuMemCreate (vllm device_allocator/cumem.py), outside PyTorch's cache, and the trainer's phases leave
+    their peak reserved in that cache. The engine empties the cache before every wake_up
+    (engines/vllm_gen.py), so the phases do not add up and the peak is the largest phase.
+    `MemoryPlan.without_empty_cache` is what a rank would need otherwise: resident + the largest phase in
+    PyTorch's cache (the trainer's, or the native evaluator's validation) + vLLM's generation memory
+    (Llama-3.1-8B, the cluster sweep's BF16 cell: 121 GiB against a 69 GiB peak on an 80 GB GPU; before
+    the native evaluator 89 against 67, and the issue's review estimated about 100).
 
 Checked against measured peak RSS on the CPU (tests/fp8rl_core/distributed/test_memory_plan.py: tiny and hidden 1024,
 within 25%).
@@ -77,6 +114,9 @@ from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
 
 GiB = 2**30
+CUDA_CONTEXT_BYTES = GiB  # per process on CUDA (module docstring: an assumption, rounded up)
+NCCL_BYTES = GiB  # per rank at W > 1 on CUDA (module docstring: an upper bound for one 8-rank node)
+VLLM_BATCHED_TOKENS = 16384  # vLLM 0.25.1 max_num_batched_tokens, LLM class, >= 70 GB GPU (get_batch_defaults)
 
 
 @dataclass(frozen=True)
@@ -97,7 +137,9 @@ class Layout:
     fp8_training: bool = False
     fp8_generation: bool = False
     fp8_format: str = "block128"  # fp8.format: the quantized weights' bytes (fp8rl_core/fp8/formats.py)
-    bf16_engine: bool = False  # a BF16 generation engine beside an FP8 one (builder.build_bf16_generation_engine)
+    # a BF16 generation engine beside the arm's (builder.build_bf16_generation_engine): native generation, FP8
+    # recipes (resident); vLLM, every recipe (the native evaluator, its own validation phase)
+    bf16_engine: bool = False
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
     paged_kv: bool = False  # vLLM: paged KV, as many sequences as memory allows (counted: generation_batch_size or 1)
@@ -129,6 +171,7 @@ class ParamCounts:
     block_linear: int  # all blocks' linear weights (what FP8 quantizes, what autocast casts)
     root: int  # outside the blocks: embeddings, final norm, LM head
     linear_shapes: tuple[tuple[int, int], ...] = ()  # [N, K] of every block linear (formats' scale bytes)
+    largest: int = 0  # elements of the largest single tensor (what one gather of a refit holds)
 
 
 @dataclass(frozen=True)
@@ -138,7 +181,9 @@ class MemoryPlan:
     params: ParamCounts
     device: dict[str, int]  # bytes per rank on the accelerator (the CPU itself on a CPU run), by part
     host: dict[str, int] = field(default_factory=dict)  # bytes per rank offloaded to host memory
-    phase: str = ""  # the phase that sets the peak: generation, logprobs or training
+    phase: str = ""  # the phase that sets the peak: generation, logprobs, training, refit or validation
+    without_empty_cache: int = 0  # the peak if vLLM woke on top of PyTorch's cached trainer peak (docstring)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)  # every phase's parts beside `resident`
 
     @property
     def peak(self) -> int:
@@ -180,7 +225,7 @@ def _count(cfg_json: str) -> ParamCounts:
     shapes = tuple(tuple(m.weight.shape) for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
     linear = sum(n * k for n, k in shapes)
     return ParamCounts(total=total, block=block, block_linear=linear, root=total - block * cfg.num_hidden_layers,
-                       linear_shapes=shapes)
+                       linear_shapes=shapes, largest=max(p.numel() for p in model.parameters()))
 
 
 def quantized_linear_bytes(p: ParamCounts, fmt: str) -> int:
@@ -243,16 +288,31 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
     host: dict[str, int] = {}
     if lay.vllm:
         tp = max(lay.vllm_tensor_parallel, 1)
-        kv = lay.vllm_kv_cache_bytes or (min(lay.vllm_concurrency or rows, rows)
-                                         * (lay.vllm_max_model_len or lay.tokens) * kv_token)
+        conc = min(lay.vllm_concurrency or rows, rows)  # sequences at once (also the native evaluator's batch)
+        kv = lay.vllm_kv_cache_bytes or conc * (lay.vllm_max_model_len or lay.tokens) * kv_token
         gen = {"gen_weights": gen_weights // tp, "kv_cache": kv // tp}
-        if lay.bf16_engine:
-            gen["bf16_engine"] = 2 * p.total // tp
-        if lay.vllm_sleep:
-            host.update({k: gen[k] for k in ("gen_weights", "bf16_engine") if k in gen})  # asleep while training
-        else:
-            resident.update(gen)
-            gen = {}
+        stream = 6 * p.largest + 2 * p.block  # one gathered FP32 tensor + its copy + vLLM's staged block
+        refit = {"gen_weights": gen["gen_weights"], "refit_stream": stream}
+        if lay.device == "cuda":
+            gen["gen_activations"] = (VLLM_BATCHED_TOKENS * (4 * cfg.intermediate_size + 8 * cfg.hidden_size)
+                                      + conc * cfg.vocab_size * 8)
+        if lay.bf16_engine:  # the native BF16 evaluator, validation only (module docstring)
+            rank0 = {"bf16_engine": 2 * p.total, "bf16_kv_cache": conc * lay.tokens * kv_token}
+            if lay.device == "cuda":
+                width = 4 * cfg.intermediate_size + 8 * cfg.hidden_size  # bytes per token, as gen_activations
+                rank0["bf16_activations"] = conc * lay.prompt_tokens * width + conc * cfg.vocab_size * 8
+            others = {"bf16_engine": 2 * p.total, "refit_stream": stream}
+            if lay.vllm_sleep:
+                others = {"gen_weights": gen["gen_weights"], **others}
+            validation = max(rank0, others, key=lambda d: sum(d.values()))
+        if not lay.vllm_sleep:
+            resident.update({k: v for k, v in gen.items() if k != "gen_activations"})
+            gen = {k: v for k, v in gen.items() if k == "gen_activations"}
+            refit = {"refit_stream": stream}
+        # level-2 sleep discards the weights (nothing on the host) wherever a refit follows; while the BF16
+        # evaluation engine validates, the arm's engine sleeps at level 1 (its weights serve the next rollout)
+        elif lay.bf16_engine:
+            host["gen_weights"] = gen["gen_weights"]
     else:
         resident["gen_weights"] = gen_weights
         if lay.bf16_engine:
@@ -264,14 +324,32 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
     phases = {"generation": gen,
               "logprobs": {"logits": min(b_lp, rows) * lay.tokens * cfg.vocab_size * 14, **fsdp},
               "training": _training(cfg, lay, p, min(b_mb, rows), fsdp)}
+    if lay.vllm:
+        phases["refit"] = refit
+        if lay.bf16_engine:
+            phases["validation"] = validation
+    if lay.device == "cuda":  # beside tensors, in every phase (module docstring)
+        resident["cuda_context"] = CUDA_CONTEXT_BYTES
+        if W > 1:
+            resident["nccl"] = NCCL_BYTES
     phase = max(phases, key=lambda k: sum(phases[k].values()))
+    # what PyTorch's cache keeps reserved: the trainer's phases, the native evaluator's (vLLM maps its own)
+    cached = [phases[k] for k in ("logprobs", "training")]
+    if "validation" in phases:
+        cached.append({k: v for k, v in phases["validation"].items() if k != "gen_weights"})
+    trainer = max(sum(c.values()) for c in cached)
     if lay.cpu_offload and W > 1 and lay.trainer_sharded:  # FSDP2's CPUOffloadPolicy (one process: unsharded)
         moved = ("params", "optimizer", "reference", "grads")
         host.update({k: v for k, v in {**resident, **phases["training"]}.items() if k in moved and v})
         resident = {k: (0 if k in moved else v) for k, v in resident.items()}
         phases[phase] = {k: (0 if k in moved else v) for k, v in phases[phase].items()}
     device = {k: v for k, v in {**resident, **phases[phase]}.items() if v}
-    return MemoryPlan(layout=lay, model=cfg, params=p, device=device, host=host, phase=phase)
+    stacked = sum(device.values())
+    if lay.vllm and lay.vllm_sleep:
+        stacked = sum(resident.values()) + trainer + sum(gen.values())
+    return MemoryPlan(layout=lay, model=cfg, params=p, device=device, host=host, phase=phase,
+                      without_empty_cache=max(stacked, sum(device.values())),
+                      phases={k: {n: b for n, b in v.items() if b} for k, v in phases.items()})
 
 
 def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
@@ -326,7 +404,8 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
                   grad_reduce_per_step=getattr(par, "grad_reduce", "micro_batch") == "step",
                   reshard_after_forward=bool(getattr(par, "reshard_after_forward", True)),
                   reference=cfg.loss.kl_coef > 0, fp8_training=recipe.fp8_training,
-                  fp8_generation=recipe.fp8_generation, bf16_engine=recipe.fp8_generation,
+                  fp8_generation=recipe.fp8_generation,
+                  bf16_engine=recipe.fp8_generation or cfg.engines.generation == "vllm",
                   fp8_format=(recipe.generation or recipe.training).format if recipe.fp8_generation else "block128",
                   device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
                   paged_kv=cfg.engines.generation == "vllm")

@@ -4,9 +4,10 @@ Shapes: B sequences; R response tokens; T = prompt + response tokens of a traini
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -47,6 +48,21 @@ class GenerationEngine(Protocol):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample continuations of token-id prompts (any lengths) with a KV cache."""
+
+
+def awake(engine: Any) -> contextlib.AbstractContextManager:
+    """Hold a generation engine awake over several generate calls (its `awake()`; the vLLM engine would
+    otherwise sleep after each one, fp8rl_core/engines/vllm_gen.py); nothing for an engine without sleep."""
+    hold = getattr(engine, "awake", None)
+    return hold() if hold is not None else contextlib.nullcontext(engine)
+
+
+def sleep(engine: Any, level: int) -> None:
+    """Release a generation engine's GPU memory: level 2 when its next use is a refit, 1 when the same
+    weights serve again (vllm_gen.py); nothing for an engine without sleep."""
+    release = getattr(engine, "sleep", None)
+    if release is not None:
+        release(level=level)
 
 
 @dataclass

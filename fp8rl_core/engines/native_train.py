@@ -9,6 +9,11 @@ Log-probabilities: lp[b, t] = log_softmax(logits[b, t-1] / temperature)[input_id
 0 at t = 0 and wherever response_mask is False: the distribution the generation engine samples from
 (before top-k/top-p), so that the two engines' numbers are comparable token by token.
 
+Padding-free (`train.padding_free`, model/packing.py): the log-prob and training passes run the model on
+the real tokens of the batch only ([1, N] instead of [B, T]; attention per sequence) and scatter the
+log-probs back to [B, T]: the same values up to GEMM summation order (FP8: up to which tokens share a
+wgrad block), for ~25% fewer FLOPs at the study's lengths (docs/design.md "Padding-free training passes").
+
 Scale-out (docs/design.md "Scale-out"): with a Mesh of world size > 1 the model is sharded with FSDP2 and
 the optimizer holds local shards; a step's loss is the token-level mean over the GLOBAL batch, each
 micro-batch contributing (its token sum) / (the global count of valid tokens), so that micro-batches
@@ -36,6 +41,7 @@ from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.model.bf16 import emulate_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
 from fp8rl_core.model.llama import CausalLM
+from fp8rl_core.model.packing import Packed, pack
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
@@ -52,6 +58,42 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
         with torch.no_grad():
             entropy = F.pad(-(logp.exp() * logp).sum(-1), (1, 0))
     return F.pad(lp, (1, 0)), entropy
+
+
+def packed_token_logprobs(logits: torch.Tensor, ids: torch.Tensor, packed: Packed, temperature: float = 1.0,
+                          with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs` of a padding-free forward: logits [N, V] and ids Long[N] of the packed real tokens
+    -> Float32[B, T] (and the entropy [B, T] with `with_entropy`) at the padded batch's places.
+
+    Packed token i predicts token i + 1 when that one continues its sequence (position > 0); a sequence's
+    first token, and every padding place, get 0 (as column 0 of the padded path; padding is masked anyway).
+    """
+    logp = torch.log_softmax(logits[:-1].float() / temperature, dim=-1)  # [N-1, V]
+    follows = packed.positions[1:] > 0  # token i + 1 is in token i's sequence
+    lp = torch.where(follows, logp.gather(-1, ids[1:, None]).squeeze(-1), torch.zeros((), device=logp.device))
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            h = torch.where(follows, -(logp.exp() * logp).sum(-1), torch.zeros((), device=logp.device))
+            entropy = packed.put(F.pad(h, (1, 0)))
+    return packed.put(F.pad(lp, (1, 0))), entropy
+
+
+def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   temperature: float, autocast: AbstractContextManager, with_entropy: bool = False,
+                   padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32[B, T] log-probs (and entropy) of input_ids [B, T] (on the model's device) under `model`,
+    padded or padding-free; the model runs under `autocast`, the log-softmax outside it in FP32. A batch
+    without padding takes the padded path (the same rows in the same order: the same numerics, no copies)."""
+    if not padding_free or attention_mask is None or bool(attention_mask.all()):
+        with autocast:
+            logits = model(input_ids, attention_mask)
+        return token_logprobs(logits, input_ids, temperature, with_entropy)
+    packed = pack(attention_mask)
+    ids = packed.take(input_ids)
+    with autocast:
+        logits = model(ids[None], None, packed=packed)[0]
+    return packed_token_logprobs(logits, ids, packed, temperature, with_entropy)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -106,6 +148,8 @@ class NativeTrainingEngine:
                   first forward to its last backward (FSDP2's set_reshard_after_backward between
                   micro-batches): one all-gather per step instead of two per micro-batch, for a full
                   weight copy per rank (which every forward reaches anyway).
+    padding_free: every forward (log-prob, training and SFT passes) runs on the batch's real tokens only
+                  (model/packing.py; `train.padding_free`).
     One `train_step` is one optimizer step; the caller splits a rollout batch into micro-steps.
     """
 
@@ -114,7 +158,7 @@ class NativeTrainingEngine:
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
-                 reshard_after_forward: bool = True, emulate_bf16: bool = False) -> None:
+                 reshard_after_forward: bool = True, emulate_bf16: bool = False, padding_free: bool = False) -> None:
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -125,6 +169,7 @@ class NativeTrainingEngine:
         if not temperature > 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.model, self.temperature, self.compute_dtype = model, float(temperature), compute_dtype
+        self.padding_free = bool(padding_free)
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
         self.fp8_modules = apply_fp8(model, recipe, compute_dtype) if recipe.fp8_training else []
         self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
@@ -152,10 +197,9 @@ class NativeTrainingEngine:
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, temperature: float,
                  with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with self._autocast():
-            logits = self.model(input_ids.to(self.device), None if attention_mask is None
-                                else attention_mask.to(self.device))
-        return token_logprobs(logits, input_ids.to(self.device), temperature, with_entropy)
+        mask = None if attention_mask is None else attention_mask.to(self.device)
+        return model_logprobs(self.model, input_ids.to(self.device), mask, temperature, self._autocast(),
+                              with_entropy, self.padding_free)
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Float32[B, T] log-probs of batch.input_ids under the current weights; 0 off response_mask.
@@ -360,13 +404,14 @@ class ReferencePolicy:
     model: loaded in the compute dtype (BF16; FP32 in tests), never a second FP32 master copy;
     fp8 recipes run its linears through Fp8Linear like the policy. Sharded with FSDP2 like the policy
     at world size > 1 (CPU-offloaded shards with cpu_offload); alone with cpu_offload on a GPU, it
-    stays on the CPU and visits the GPU for each pass.
+    stays on the CPU and visits the GPU for each pass. padding_free: as the policy's engine.
     """
 
     def __init__(self, model: CausalLM, *, device: torch.device | str, recipe: Recipe = BF16,
                  temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None,
-                 logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False) -> None:
+                 logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False,
+                 padding_free: bool = False) -> None:
         model.requires_grad_(False).eval()
         if recipe.fp8_training:
             apply_fp8(model, recipe, compute_dtype)
@@ -378,12 +423,12 @@ class ReferencePolicy:
         if self.mesh.distributed:
             shard_model(model, self.mesh, cpu_offload=cpu_offload, sum_gradients=False)
         self.temperature, self.compute_dtype = float(temperature), compute_dtype
-        self.logprob_batch_size = int(logprob_batch_size)
+        self.logprob_batch_size, self.padding_free = int(logprob_batch_size), bool(padding_free)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16):
-            logits = self.model(input_ids.to(self.device), attention_mask.to(self.device))
-        return token_logprobs(logits, input_ids.to(self.device), temperature)
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == torch.bfloat16)
+        return model_logprobs(self.model, input_ids.to(self.device), attention_mask.to(self.device), temperature,
+                              autocast, padding_free=self.padding_free)
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Float32[B, T] reference log-probs of batch.input_ids; 0 off response_mask."""

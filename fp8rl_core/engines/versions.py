@@ -1,9 +1,10 @@
 """The GPU stack the optional backends support, and the start-up check that says so.
 
-One coherent set is pinned as the `gpu` extra of pyproject.toml (`pip install 'fp8rl[gpu]'`), the set
-NeMo RL runs on CUDA 13: torch 2.11.0 (cu130), vLLM 0.25.1 (whose wheel pins torch==2.11.0 exactly),
-Transformer Engine 2.15.0 (core_cu13), megatron-core 0.16.1 (the version our conversion is tested
-against on the CPU). `SUPPORTED` gives, per package, the oldest version with every API the backend
+One coherent set is pinned as the `gpu` extra of pyproject.toml (`pip install 'fp8rl[gpu]'`), for
+CUDA 13: torch 2.11.0 (cu130), vLLM 0.25.1 (whose wheel pins torch==2.11.0 exactly),
+Transformer Engine 2.11.0 (core_cu13; the newest inside megatron-core 0.16.1's own tested range,
+>=2.9.0a0,<2.12.0, from its wheel's `dev` extra), megatron-core 0.16.1 (the version our conversion is
+tested against on the CPU). `SUPPORTED` gives, per package, the oldest version with every API the backend
 calls (below it: an error) and the tested pin (another version at or above the floor: a warning).
 
 Floors, and why:
@@ -27,7 +28,7 @@ INSTALL = "pip install 'fp8rl[gpu]'"
 SUPPORTED: dict[str, tuple[str, str]] = {
     "torch": ("2.6", "2.11.0"),
     "vllm": ("0.10.2", "0.25.1"),
-    "transformer-engine": ("2.6", "2.15.0"),
+    "transformer-engine": ("2.6", "2.11.0"),
     "megatron-core": ("0.16", "0.16.1"),
 }
 

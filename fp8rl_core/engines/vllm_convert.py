@@ -5,15 +5,17 @@ vllm_gen.py calls vLLM; this file decides what to send it and reads back what it
 - `resolve_max_model_len` / `longest_prompt_tokens` / `free_memory_error`: the KV bound (longest prompt +
   max_new_tokens, not the model's 131072) and the start-up memory check, from the run config's
   engines.vllm section (which replaces the old FP8RL_VLLM_* variables: `warn_deprecated_env`);
+- `llm_kwargs` places one engine per rank on its own GPU at world size > 1 (vllm_placement.py);
 - `fp8_quantization_config` / `llm_kwargs`: the `vllm.LLM(...)` arguments. FP8 recipes load a blockwise
   FP8 checkpoint and override its config with NeMo RL's quantization_config
   {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}, plus
   `ignored_layers` (HF module names) for the blocks the recipe keeps in BF16 (vLLM skips a fused layer
   when all of its shards are listed);
 - `write_checkpoint`: the trainer's weights as an HF folder (hf_io.save_pretrained, "fp8_block" for FP8);
-- `refit_tensors`: the checkpoint-format tensors of one refit: every FP8 linear as E4M3 `weight` +
-  FP32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] from our `quantize_blockwise` (so power-of-two
-  scales and finiteness checks follow the recipe's Quantization), everything else in the engine dtype;
+- `iter_refit_tensors` / `refit_tensors`: the checkpoint-format tensors of one refit: every FP8 linear as
+  E4M3 `weight` + FP32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] from our `quantize_blockwise` (so
+  power-of-two scales and finiteness checks follow the recipe's Quantization), everything else in the
+  engine dtype; streamed one tensor at a time, each gathered once from a sharded trainer;
 - `choose_refit_method`: which vLLM weight-loading entry point the installed version offers;
 - `sampling_kwargs` / `request_seeds`: our SamplingParams as `vllm.SamplingParams` keyword arguments,
   one seed per request drawn from the engine's generator;
@@ -31,7 +33,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,7 @@ from fp8rl_core.config import VllmSpec
 from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.native_gen import check_state_dict, expected_shapes
+from fp8rl_core.engines.vllm_placement import placement_kwargs
 from fp8rl_core.fp8 import quantize_blockwise
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG, save_pretrained
@@ -145,7 +148,8 @@ def fp8_quantization_config(config: ModelConfig, recipe: Recipe) -> dict[str, An
 
 
 def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, dtype: str,
-               seed: int, vllm: VllmSpec, max_model_len: int, supported: Iterable[str]) -> dict[str, Any]:
+               seed: int, vllm: VllmSpec, max_model_len: int, supported: Iterable[str],
+               world_size: int = 1) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for our checkpoint folder.
 
     dtype: "bfloat16" | "float32" (the run's model.dtype; FP8 needs bfloat16/float16); vllm: the run
@@ -154,6 +158,7 @@ def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, d
     only when listed; a requested one that is missing raises). Tokenizer init is skipped: prompts
     arrive as token ids and the EOS ids are stop token ids. Sleep mode (engines.vllm.sleep_between_steps):
     enable_sleep_mode=True, so that the engine can give its GPU memory back while the trainer runs.
+    world_size: the cell's ranks; above 1, vllm_placement.placement_kwargs (one engine per rank).
     """
     supported, fp8 = set(supported), recipe.fp8_generation
     if fp8 and dtype not in HALF_DTYPES:
@@ -181,6 +186,7 @@ def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, d
         kw["hf_overrides"] = {"quantization_config": fp8_quantization_config(config, recipe)}
     if "logprobs_mode" in supported:
         kw["logprobs_mode"] = PROCESSED
+    kw.update(placement_kwargs(world_size, int(vllm.tensor_parallel_size)))
     return kw
 
 
@@ -191,7 +197,7 @@ def write_checkpoint(weights: Mapping[str, torch.Tensor], config: ModelConfig, f
     FP8: every linear of fp8_weight_names as E4M3 + weight_scale_inv [128, 128] blocks, the rest in `dtype`.
     """
 
-    check_state_dict(weights, expected_shapes(config), config.tie_word_embeddings)
+    check_state_dict(_shapes_of(weights), expected_shapes(config), config.tie_word_embeddings)
     with torch.device("meta"):
         model = CausalLM(config)
     expected = model.state_dict()
@@ -205,34 +211,55 @@ def write_checkpoint(weights: Mapping[str, torch.Tensor], config: ModelConfig, f
 
 
 # ---- refit ---------------------------------------------------------------------------------------
-@torch.no_grad()
-def refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, recipe: Recipe,
-                  dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+def _shapes_of(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """What a names/shapes/dtypes check may read without moving data: a sharded trainer's
+    GatheredWeights (fp8rl_core/distributed/parallel.py) offers its un-gathered DTensors as `shards`
+    (global shape and dtype); reading `.shape` through the mapping itself would all-gather the tensor."""
+    return getattr(weights, "shards", weights)
+
+
+def iter_refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, recipe: Recipe,
+                       dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs of one refit, in checkpoint format and the trainer's order (layer by layer,
-    which vLLM's layerwise reload wants). A recipe without a generation side: no FP8 (every tensor
-    cast to `dtype`).
+    which vLLM's layerwise reload wants), produced one at a time. A recipe without a generation side:
+    no FP8 (every tensor cast to `dtype`).
 
     An FP8 linear W [out, in] becomes (name, q E4M3 [out, in]) and (name + "_scale_inv", s FP32
     [ceil(out/128), ceil(in/128)]) with W.to(dtype) ~= q * s per [128, 128] block, quantized from the
     dtype copy (what vLLM would be sent); tensors stay on their device. A tied lm_head is left out.
-    """
 
+    Names and shapes are checked here, before the first pair, on `shards` where the mapping has them
+    (no all-gather); then each tensor is read (gathered, when sharded) exactly once, when its pair is
+    next. Consumed lazily (vLLM's reload_weights takes any iterable), the refit holds one gathered
+    FP32 tensor and its converted copy at a time, not a second copy of the model.
+    """
     expected = expected_shapes(config)
-    check_state_dict(weights, expected, config.tie_word_embeddings)
+    check_state_dict(_shapes_of(weights), expected, config.tie_word_embeddings)
+    return _refit_pairs(weights, expected, config, recipe, dtype)
+
+
+@torch.no_grad()
+def _refit_pairs(weights: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]], config: ModelConfig,
+                 recipe: Recipe, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     spec = recipe.generation
     fp8_names = set(fp8_weight_names(config, recipe)) if spec is not None else set()
-    pairs: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in weights.items():
+    for name in list(weights):
         if name not in expected:
-            continue  # tied lm_head, rotary buffers
-        t = tensor.detach().to(dtype)
+            continue  # tied lm_head, rotary buffers: never read (a read of a sharded one would all-gather it)
+        t = weights[name].detach().to(dtype)
         if name in fp8_names:
             q, scale = quantize_blockwise(t, FP8_BLOCK, power_of_two=spec.power_of_two_scales,
                                           check_finite=spec.check_finite, name=name)
-            pairs += [(name, q), (name + "_scale_inv", scale)]
+            yield name, q
+            yield name + "_scale_inv", scale
         else:
-            pairs.append((name, t))
-    return pairs
+            yield name, t
+
+
+def refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, recipe: Recipe,
+                  dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    """iter_refit_tensors as a list (every pair held at once: for tests and small models)."""
+    return list(iter_refit_tensors(weights, config, recipe, dtype))
 
 
 def choose_refit_method(reload_params: Sequence[str] | None, fp8: bool) -> str:

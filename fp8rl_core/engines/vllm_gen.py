@@ -22,10 +22,36 @@ FP8RL_VLLM_* variables are ignored with a DeprecationWarning). The KV cache is b
 = the task's longest prompt + rollout.max_new_tokens unless set (never the model's 131072 positions);
 at start the installed versions are checked (engines/versions.py) and so is the GPU's free memory
 against gpu_memory_utilization (vLLM's own start-up check, with the fix named).
-Colocation (engines.vllm.sleep_between_steps, NeMo RL's and verl's scheme): the engine is built with
-enable_sleep_mode=True and, after every `generate`, calls `llm.sleep(level=1)` (weights to host memory,
-KV cache freed) so that the trainer has the GPU; `refit` wakes the weights (`wake_up(tags=["weights"])`)
-before loading new ones, and `generate` wakes the KV cache (`wake_up(tags=["kv_cache"])`) first.
+Ranks (mesh world size W > 1): one engine per rank on cuda:LOCAL_RANK, vLLM's external_launcher backend
+(vllm_placement.py); the current device is set before vllm.LLM and checked after it. The
+sampling seed is the rank's (builder.rank_seed), so ranks never share sampling noise. The start
+checkpoint (FP8 recipes: the weights rewritten in block-FP8) is written by rank 0 alone; the other ranks
+wait at a barrier and start on the same folder.
+
+Colocation (engines.vllm.sleep_between_steps, NeMo RL's and verl's scheme; vLLM 0.25.1 semantics from
+entrypoints/llm.py LLM.sleep, v1/worker/gpu_worker.py Worker.sleep / wake_up and
+device_allocator/cumem.py CuMemAllocator): the engine is built with enable_sleep_mode=True, which puts its
+weights and KV cache in CuMemAllocator's pool, outside PyTorch's caching allocator.
+- Level 2 (discard weights and KV cache, nothing copied to the host) wherever the weights are overwritten
+  before they are used again: after each rollout `generate` (the trainer runs, then `refit`) and after
+  `start` (the builder refits at once). vLLM keeps what is not a weight: Worker.sleep(level=2) saves every
+  named buffer (rotary cos/sin cache, attention scales) to the host and Worker.wake_up copies them back;
+  every parameter is rewritten by the refit (reload_weights is layerwise and covers every name we send;
+  check_state_dict makes that every name of the model). A `generate` after a level-2 sleep without a
+  refit raises instead of sampling from discarded memory.
+- Level 1 (weights to host memory) only where the same weights serve again without a refit in between:
+  the loop's validation (fp8rl_core/loop/run.py) holds an engine awake over its many generate calls
+  (`awake()`), and sleeps it at level 1 only when another engine must use the GPU before its next rollout.
+- `torch.cuda.empty_cache()` before every wake_up: wake_up maps physical memory with cuMemCreate
+  (cumem.py create_and_map), outside PyTorch's cache, so blocks the trainer freed but PyTorch still caches
+  would count twice; without it a step needs the trainer's cached peak plus vLLM's weights and KV pool.
+- vLLM only sleeps from fully awake (v1/executor/abstract.py Executor.sleep returns at once while any tag
+  is asleep): a partly awake engine wakes the rest first.
+- One sleep-mode engine per process: CuMemAllocator is a process singleton and Worker.load_model asserts
+  that its pool is empty ("CuMem allocator can only be used for one instance per process"), so a second
+  engine with sleep mode is refused at start with the reason. The run starts one: its BF16 evaluation
+  engine (val_accuracy_bf16_eval) is the native engine in BF16, for every recipe (loop/builder.py
+  BF16Evaluator); the refusal stays as a guard.
 
 Differences from the native engine worth knowing: activation scales are vLLM's dynamic [1, 128] FP32
 ones (never power-of-two); with top-k/top-p on, vLLM's processed log-probs are renormalised over the
@@ -33,11 +59,13 @@ kept tokens (vllm_convert.py). FP8 generation needs BF16/FP16 activations (model
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
 import os
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +73,9 @@ import torch
 
 from fp8rl_core.config import VllmSpec
 from fp8rl_core.config.recipe import Recipe
+from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines import vllm_convert as conv
+from fp8rl_core.engines import vllm_placement as placement
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.sampling import validate_sampling
 from fp8rl_core.model.config import ModelConfig
@@ -73,10 +103,20 @@ def _reload_parameters(worker: Any) -> list[str] | None:
     return list(inspect.signature(fn).parameters)
 
 
-def _load_weights(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> None:
+def _load_weights(worker: Any, pairs: Iterator[tuple[str, torch.Tensor]]) -> None:
     runner = worker.model_runner
     model = runner.get_model() if hasattr(runner, "get_model") else runner.model
     model.load_weights(weights=pairs)
+
+
+# this process's live engines started with enable_sleep_mode (vLLM allows one: see the module docstring)
+_SLEEP_MODE_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+def _empty_cache() -> None:
+    """Hand PyTorch's cached, unused blocks back to the driver before vLLM maps memory of its own."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class VllmGenerationEngine:
@@ -84,14 +124,17 @@ class VllmGenerationEngine:
 
     model_config: the policy's architecture (names and shapes of the weights refit receives);
     recipe: its `generation` side quantizes (fp8rl_core/config/recipe.py); dtype: model.dtype's;
-    vllm: the run config's engines.vllm; seed: sampling seed; max_new_tokens: the rollout's bound;
-    output_dir: where refit checkpoints go; tokenizer, task: the run's (the longest prompt bounds the
-    KV cache when engines.vllm.max_model_len is unset).
+    vllm: the run config's engines.vllm; seed: this rank's sampling seed (builder.rank_seed);
+    max_new_tokens: the rollout's bound; output_dir: where refit checkpoints go (shared by the ranks);
+    tokenizer, task: the run's (the longest prompt bounds the KV cache when engines.vllm.max_model_len is
+    unset); mesh: this rank (one engine per rank, on cuda:mesh.local_rank; rank 0 writes the checkpoint).
     """
 
     def __init__(self, model_config: ModelConfig, *, recipe: Recipe, dtype: torch.dtype, vllm: VllmSpec,
-                 seed: int, max_new_tokens: int, output_dir: str | Path, tokenizer: Any, task: Any) -> None:
+                 seed: int, max_new_tokens: int, output_dir: str | Path, tokenizer: Any, task: Any,
+                 mesh: Mesh = SINGLE) -> None:
         require_vllm()
+        placement.placement_kwargs(mesh.world_size, vllm.tensor_parallel_size)  # refuse a layout it cannot run, now
         self.config = model_config  # every EOS id already merged (hf_io.read_model_config)
         self.recipe, self.fp8, self.dtype = recipe, recipe.fp8_generation, dtype
         if self.fp8 and self.dtype != torch.bfloat16:
@@ -106,7 +149,10 @@ class VllmGenerationEngine:
         self.logprobs_mode = "raw_logprobs"
         self.refit_method: str | None = None
         self.max_model_len: int | None = None
-        self.asleep: set[str] = set()  # what sleep(level=1) released and no wake_up has restored yet
+        self.mesh = mesh
+        self.asleep: set[str] = set()  # what sleep() released and no wake_up has restored yet
+        self.discarded = False  # a level-2 sleep dropped the weights; only a refit brings them back
+        self.held = 0  # > 0 inside awake(): generate does not sleep afterwards
 
     @property
     def pad_id(self) -> int:
@@ -115,7 +161,8 @@ class VllmGenerationEngine:
     # ---- weights -------------------------------------------------------------------------------
     def start(self, model_dir: str | Path) -> None:
         """Start vLLM on the HF checkpoint folder `model_dir` before the trainer is built, then sleep
-        (level 1, when engines.vllm.sleep_between_steps) so that the trainer gets the GPU.
+        (level 2, when engines.vllm.sleep_between_steps: the builder's first refit overwrites the weights
+        at once) so that the trainer gets the GPU.
 
         Why: vLLM's start-up check wants gpu_memory_utilization x the GPU's memory free; once the
         trainer's FP32 master weights are on the card it may not be (an 80 GB GPU). NeMo RL and verl
@@ -125,27 +172,35 @@ class VllmGenerationEngine:
         if self.llm is not None:
             raise RuntimeError("VllmGenerationEngine.start: vLLM is already running; use refit(weights)")
         self._launch(self._start_folder(Path(model_dir)))
-        self.sleep()
+        self.sleep(level=2)
 
     def _start_folder(self, model_dir: Path) -> Path:
-        """The folder vLLM starts on: model_dir itself unless it must be written in our FP8 format."""
+        """The folder vLLM starts on: model_dir itself unless it must be written in our FP8 format, which
+        rank 0 alone does (8.5 GB at 8B); the other ranks wait for it at a barrier, then read it."""
         from fp8rl_core.model import load_pretrained
         from fp8rl_core.model.hf_io import read_hf_config
 
         if not self.fp8 and not read_hf_config(model_dir).get("quantization_config"):
             return model_dir  # no copy of the weights: vLLM casts to model.dtype itself
-        return self._write_checkpoint(load_pretrained(model_dir, dtype=self.dtype).state_dict())
+        if self.mesh.is_rank0:
+            self._write_checkpoint(load_pretrained(model_dir, dtype=self.dtype).state_dict())
+        self.mesh.barrier()  # the folder is complete before any rank's vLLM reads it
+        return self.checkpoint_dir
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """First call without `start`: checkpoint + start vLLM on it. Later calls (and the first one
-        after `start`): wake the weights if asleep, reload into the running engine."""
-        self._wake("weights")
+        """First call without `start` (world size 1 only): checkpoint + start vLLM on it. Later calls (and
+        the first one after `start`): wake the weights if asleep, reload into the running engine."""
         if self.llm is None:
+            if self.mesh.distributed:
+                raise RuntimeError("VllmGenerationEngine.refit: at world size > 1 call start(model_dir) first (the "
+                                   "builder does): rank 0 writes the start checkpoint there while the others wait")
             self._launch(self._write_checkpoint(weights))
             if self.fp8 and self.recipe.generation.power_of_two_scales:
                 self._reload(weights)  # the checkpoint's scales are plain amax/448 ones
             return
+        self._wake("weights")
         self._reload(weights)
+        self.discarded = False
 
     def _write_checkpoint(self, weights: Mapping[str, torch.Tensor]) -> Path:
         return conv.write_checkpoint(weights, self.config, self.checkpoint_dir, recipe=self.recipe, dtype=self.dtype)
@@ -162,39 +217,102 @@ class VllmGenerationEngine:
         kwargs = conv.llm_kwargs(path, self.config, recipe=self.recipe,
                                  dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32",
                                  seed=self.seed, vllm=self.spec, max_model_len=self.max_model_len,
-                                 supported=supported)
+                                 supported=supported, world_size=self.mesh.world_size)
         self.logprobs_mode = kwargs.get("logprobs_mode", "raw_logprobs")
+        if kwargs.get("enable_sleep_mode") and _SLEEP_MODE_ENGINES:
+            raise RuntimeError(
+                "engines.vllm.sleep_between_steps: a second vLLM engine with sleep mode in this process cannot "
+                "start: vLLM's CuMemAllocator is one per process and Worker.load_model asserts its pool is empty "
+                "('CuMem allocator can only be used for one instance per process', vllm 0.25.1 "
+                "v1/worker/gpu_worker.py); valid: one vLLM engine per process (the run's BF16 evaluation engine is "
+                "native, loop/builder.py BF16Evaluator), close() the first, or engines.vllm.sleep_between_steps=false")
+        if kwargs.get("distributed_executor_backend") == placement.EXTERNAL_LAUNCHER:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # ExecutorWithExternalLauncher asserts it
+        device = self._set_device()
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             error = conv.free_memory_error(free, total, self.spec)
             if error:
                 raise RuntimeError(error)
         self.llm = vllm.LLM(**kwargs)
+        if kwargs.get("enable_sleep_mode"):
+            _SLEEP_MODE_ENGINES.add(self)
+        self._check_device(device)
         params = self.llm.collective_rpc(_reload_parameters)[0]
         self.refit_method = conv.choose_refit_method(params, self.fp8)
+
+    def _set_device(self) -> int | None:
+        """Make cuda:local_rank current before vLLM starts (its worker does the same from LOCAL_RANK with
+        external_launcher; the trainer built afterwards must find the same device). Returns the index."""
+        if not torch.cuda.is_available():
+            return None
+        error = placement.rank_env_error(os.environ, self.mesh.rank, self.mesh.local_rank, self.mesh.world_size,
+                                    torch.cuda.device_count())
+        if error:
+            raise RuntimeError(error)
+        torch.cuda.set_device(self.mesh.local_rank)
+        return self.mesh.local_rank
+
+    def _check_device(self, device: int | None) -> None:
+        """After vllm.LLM: the current device must still be this rank's (the `uni` executor would have made it
+        cuda:0 on every rank, and FSDP2 would then shard there too)."""
+        if device is None:
+            return
+        now = torch.cuda.current_device()
+        if now != device:
+            raise RuntimeError(f"vLLM start on rank {self.mesh.rank}: the current CUDA device is cuda:{now}, "
+                               f"expected cuda:{device} (LOCAL_RANK); this vLLM did not place its engine on this "
+                               "rank's GPU (distributed_executor_backend='external_launcher' with RANK / LOCAL_RANK "
+                               "set is what places it)")
 
     def _longest_prompt(self) -> int:
         """Tokens of the longest prompt of the run's task (the KV bound's default; vllm_convert.py)."""
         return conv.longest_prompt_tokens(self.task, self.tokenizer)
 
     # ---- colocation --------------------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Give the GPU back to the trainer: vLLM's sleep(level=1) (weights to host memory, KV cache
-        freed). No-op unless engines.vllm.sleep_between_steps, or when already asleep."""
-        if self.llm is None or not self.spec.sleep_between_steps or self.asleep:
+    def sleep(self, level: int = 2) -> None:
+        """Give the GPU back (engines.vllm.sleep_between_steps; no-op otherwise or when fully asleep).
+
+        level 2: weights and KV cache discarded (the next use must be a refit; generate refuses before);
+        level 1: weights to host memory, KV cache discarded (the same weights serve again). A partly awake
+        engine wakes the rest first: vLLM sleeps only from fully awake (Executor.sleep)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level {level} not supported; valid: 1 (weights to the host), 2 (discard)")
+        if self.llm is None or not self.spec.sleep_between_steps or self.asleep == {"weights", "kv_cache"}:
             return
-        self.llm.sleep(level=1)
+        for tag in ("weights", "kv_cache"):  # partly awake (after a refit): vLLM sleeps only from fully awake
+            self._wake(tag)
+        self.llm.sleep(level=level)
         self.asleep = {"weights", "kv_cache"}
+        self.discarded = self.discarded or level == 2
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[VllmGenerationEngine]:
+        """Inside: `generate` does not sleep afterwards, so that several calls (validation's chunks) run on
+        the same weights; afterwards the engine stays awake until the caller's `sleep(level)` or the next
+        rollout `generate`."""
+        self.held += 1
+        try:
+            yield self
+        finally:
+            self.held -= 1
 
     def _wake(self, tag: str) -> None:
-        """wake_up(tags=[tag]) if that part is asleep (weights before a refit, KV cache before generating)."""
-        if tag in self.asleep:
-            self.llm.wake_up(tags=[tag])
-            self.asleep.discard(tag)
+        """wake_up(tags=[tag]) if that part is asleep (weights before a refit or a generate, KV cache before
+        generating), after emptying PyTorch's cache. The weights wake first: Worker.wake_up copies the
+        buffers saved by a level-2 sleep into the weights' pool, which must be mapped."""
+        if tag not in self.asleep:
+            return
+        if tag == "kv_cache" and "weights" in self.asleep:
+            raise RuntimeError("VllmGenerationEngine: the KV cache cannot wake before the weights")
+        _empty_cache()
+        self.llm.wake_up(tags=[tag])
+        self.asleep.discard(tag)
 
     @torch.no_grad()
     def _reload(self, weights: Mapping[str, torch.Tensor]) -> None:
-        pairs = conv.refit_tensors(weights, self.config, self.recipe, self.dtype)
+        # streamed: each tensor gathered (sharded trainer), converted and loaded before the next is read
+        pairs = conv.iter_refit_tensors(weights, self.config, self.recipe, self.dtype)
         if self.refit_method == "reload_weights":
             self.llm.collective_rpc("reload_weights",
                                     kwargs={"weights_iterator": pairs, "is_checkpoint_format": True})
@@ -221,6 +339,10 @@ class VllmGenerationEngine:
             raise ValueError(f"engines.vllm.max_model_len: a prompt of {longest} tokens + {sampling.max_new_tokens} "
                              f"new ones exceeds the engine's {self.max_model_len}; set engines.vllm.max_model_len "
                              f">= {longest + sampling.max_new_tokens}")
+        if self.discarded:
+            raise RuntimeError("VllmGenerationEngine.generate: a level-2 sleep discarded the weights and no refit has "
+                               "reloaded them; refit(weights) first, or hold the engine awake over consecutive "
+                               "generate calls (`with engine.awake(): ...`)")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         kw = conv.sampling_kwargs(sampling, self.config.eos_ids, self.logprobs_mode)
@@ -230,12 +352,14 @@ class VllmGenerationEngine:
         self._wake("kv_cache")
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         out = conv.to_generation_output(outputs, self.config.eos_ids, self.pad_id)
-        self.sleep()  # the trainer runs next: colocated, vLLM hands its memory back until the next refit
+        if not self.held:
+            self.sleep(level=2)  # the trainer runs next, then the refit overwrites the weights
         return out
 
     def close(self) -> None:
         """Drop the vLLM engine and return its GPU memory (best effort: vLLM keeps some process state)."""
-        self.llm, self.asleep = None, set()
+        _SLEEP_MODE_ENGINES.discard(self)
+        self.llm, self.asleep, self.discarded = None, set(), False
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

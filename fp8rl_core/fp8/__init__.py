@@ -5,8 +5,10 @@ Conventions (docs/design.md): scale = amax/448 per block in FP32 (the dequant mu
 Files: quant.py (quantize/dequantize), kernels.py (the reference block kernels, optional torch.compile),
 fused_cpu.py + fused_cpu.c (the CPU default: the same bits in one fused C pass, built once per machine),
 gemm.py (blockwise_scaled_mm + executor choice), emulate.py (CPU/any-device executors),
-cuda_exec.py (Hopper scaled_mm), functional.py (inference linear), linear.py (Fp8Linear),
-convert.py (swap nn.Linear layers).
+cpu_gemm.py + cpu_gemm.c (the exact GEMM on AMX / AVX512_BF16 dot products), cpu_features.py (the CPU
+flags that pick kernel paths), cbuild.py (builds the C files), cuda_exec.py (Hopper scaled_mm),
+gemm_bound.py (the one error bound of every executor), preflight.py (every GEMM shape checked before a
+cell's first step), functional.py (inference linear), linear.py (Fp8Linear), convert.py (swap nn.Linear layers).
 Formats (issue 23): formats.py is the registry (FORMATS: block128 | tensorwise | mxfp8 | nvfp4, their scale
 formats, storage costs, block shapes, kernel modules); tensorwise.py, mxfp8.py, nvfp4.py hold the kernels
 (block128.py wraps the path above); lowp.py runs their linear forward/dgrad/wgrad on the emulated GEMM.

@@ -36,6 +36,8 @@ class Fp8Weight:
 
     dequantized: optional FP32 q * scale [N, K], kept for the emulated executor so that decoding does
     not re-expand the weight at every step (None on hardware executors).
+    packed: the cpu_bf16dot executor's BF16 layouts of W (fprop) and W^T (dgrad), made on first use and
+    kept with the quantization they belong to (cpu_gemm.PackedB; one pack per weight value).
     """
 
     q: torch.Tensor
@@ -44,9 +46,19 @@ class Fp8Weight:
     out_features: int
     in_features: int
     dequantized: torch.Tensor | None = field(default=None, repr=False)
+    packed: dict = field(default_factory=dict, repr=False, compare=False)
 
     def operand(self) -> Operand:
         return Operand(self.q, self.scale, WEIGHT_BLOCK, self.dequantized)
+
+    def packed_b(self, transposed: bool = False):
+        """The weight as cpu_bf16dot's B operand: W [N, K] (fprop) or W^T [K, N] (dgrad), packed once."""
+        from fp8rl_core.fp8 import cpu_gemm
+
+        if transposed not in self.packed:
+            op = self.operand()
+            self.packed[transposed] = cpu_gemm.pack_b(op.t() if transposed else op)
+        return self.packed[transposed]
 
 
 def needs_dequant(device: torch.device) -> bool:
@@ -89,6 +101,10 @@ def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_
 
 def linear_from_operands(x_op: Operand, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """y[M, N] = GEMM(x [M, K] in [1,128] blocks, w) + bias in FP32, then cast to out_dtype."""
+    if select_executor(x_op.scale.device) == "cpu_bf16dot":  # the same sum, bias add and cast, in its epilogue
+        from fp8rl_core.fp8 import cpu_gemm
+
+        return cpu_gemm.mm(x_op, w.packed_b(), out_dtype, bias=w.bias)
     y = scaled_mm(x_op, w.operand(), out_dtype=torch.float32)
     if w.bias is not None:
         y += w.bias.to(torch.float32)
@@ -109,6 +125,8 @@ def fp8_linear(
         raise ValueError(f"x: last dim {x.shape[-1]} != in_features {w.in_features}")
     with torch.no_grad():
         y = _emulated_cpu_linear(as_2d(x), w, power_of_two)
+        if y is None:
+            y = _bf16dot_cpu_linear(as_2d(x), w, power_of_two)
         if y is None:
             x_op = quantize_operand(as_2d(x), ACT_BLOCK, power_of_two=power_of_two, check_finite=check_finite, name="x")
             y = linear_from_operands(x_op, w, x.dtype)
@@ -131,3 +149,17 @@ def _emulated_cpu_linear(x2: torch.Tensor, w: Fp8Weight, power_of_two: bool) -> 
     if w.bias is not None:
         y += w.bias.to(torch.float32)
     return y.to(x2.dtype)
+
+
+def _bf16dot_cpu_linear(x2: torch.Tensor, w: Fp8Weight, power_of_two: bool) -> torch.Tensor | None:
+    """The general path on the cpu_bf16dot executor without its dispatch (decode-sized M): the fused
+    quantizer's codes, the GEMM on the packed weight with bias and cast in its epilogue. None where it
+    does not apply (another executor, or a non-finite block: the general path then raises or propagates)."""
+    if x2.device.type != "cpu" or select_executor(x2.device) != "cpu_bf16dot":
+        return None
+    fused = fused_cpu.quantize(x2, ACT_BLOCK, power_of_two, want_dequant=False, want_q=True)
+    if fused is None:
+        return None
+    from fp8rl_core.fp8 import cpu_gemm
+
+    return cpu_gemm.mm(Operand(fused[0], fused[1], ACT_BLOCK), w.packed_b(), x2.dtype, bias=w.bias)

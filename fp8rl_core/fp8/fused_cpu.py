@@ -1,18 +1,29 @@
 """The fused CPU quantizer (fused_cpu.c): built once per machine with the system C compiler, cached on
-disk, loaded through ctypes. Bit-identical to the reference kernels in kernels.py (tested on every
-block shape, dtype and scale mode); the reference runs instead wherever this one does not apply.
+disk (cbuild.py), loaded through ctypes. Bit-identical to the reference kernels in kernels.py (tested on
+every block shape, dtype and scale mode, on each vector path); the reference runs instead wherever this
+one does not apply.
 
 Why a small C file and not torch.compile: the eager reference makes ~8 passes over memory and decodes
 float8 at ~12 ns/element here (torch's CPU float8 casts are scalar), and Inductor's code keeps the
-float8 casts and two passes (measured ~9 GB/s at 1024^2). One C loop per block-row reads x once
-(the block's amax and its quantization share the cache), rounds to E4M3 with FP32 bit arithmetic,
-and writes q, the scales and the FP32 dequantized copy in the same pass. Where the compiler targets
-AVX2 the inner loops are written with its intrinsics (8 lanes; gcc's own vectorization of the scalar
-loops spilled registers and stored bytes one lane at a time: 2x slower), step for step the scalar
-arithmetic, which still runs the row tails and every other CPU; large
-fresh outputs are advised onto transparent huge pages (first-touch page faults cost more than the
-kernel itself at 4096^2). It builds in ~1-15 s with gcc (no torch headers: plain C through ctypes),
-against ~35 s of Inductor compile, once per machine.
+float8 casts and two passes (measured ~9 GB/s at 1024^2). One C loop per block-row panel reads x once
+from DRAM (the block's amax and its quantization share the cache), rounds to E4M3 with FP32 bit
+arithmetic, and writes q, the scales and the FP32 dequantized copy in the same pass; large fresh outputs
+are advised onto transparent huge pages (first-touch page faults cost more than the kernel itself at
+4096^2). It builds in ~1-15 s with gcc (no torch headers), against ~35 s of Inductor compile.
+
+Vector paths (`simd_path()`; chosen at compile time by -march=native, i.e. this CPU's flags):
+  "avx512"  AVX-512 F/BW/VL, 16 lanes, masked row tails, streamed codes for large tensors. 4096^2 FP32,
+            1 thread (a shared 2-vCPU Xeon): quantize 6.5-7.5 ms and dequantize (fresh output) 11-12 ms
+            against a 9.5-10 ms copy: copy / (quantize + dequantize) 0.51-0.54, was 0.35-0.37 with the
+            AVX2 code. Quantizing is bound by one core's DRAM bandwidth (in L2 by vdivps: 0.17 of its
+            0.24 ns per element; power-of-two scales multiply instead, exactly), dequantizing by the
+            fresh tensor it returns (writing any fresh 64 MiB tensor takes 10-10.7 ms).
+  "avx2"    8 lanes with AVX2 intrinsics (gcc's own vectorization of the scalar loops spilled registers
+            and stored bytes one lane at a time: 2x slower), scalar row tails.
+  "scalar"  the portable C loops, for every other CPU.
+Each path is step for step the same arithmetic (the same FP32 division, clamp and ties-to-even
+rounding), so the bits do not depend on the CPU. FP8RL_CPU_FLAGS_OFF="avx512f" (or "avx2") builds the
+slower paths on a faster CPU (cpu_features.py).
 
 Applies to: CPU tensors, FP32/BF16 input, 2-D, nonempty, all blocks finite (otherwise the reference
 runs and raises or propagates NaN/inf exactly as before). Env: FP8RL_FUSED=0 turns it off;
@@ -24,72 +35,53 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
+import platform
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from fp8rl_core.fp8 import cbuild, cpu_features
+
 SOURCE = Path(__file__).with_name("fused_cpu.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math", "-fPIC", "-shared")
-ENV_OFF, ENV_CACHE = "FP8RL_FUSED", "FP8RL_KERNEL_CACHE"
+FLAGS = cbuild.FLAGS
+ENV_OFF, ENV_CACHE = "FP8RL_FUSED", cbuild.ENV_CACHE
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
 _c_i64, _c_ptr = ctypes.c_int64, ctypes.c_void_p
+# the vector paths (fp8rl_simd_path's codes), the flags each needs, and the gcc options that switch each off
+SIMD_PATHS = {512: "avx512", 256: "avx2", 0: "scalar"}
+PATH_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2",), "scalar": ()}
+PATH_FLAGS = {"avx512": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx2",)}
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_OFF, "1") not in ("0", "false", "False", "")
 
 
-def _cpu_id() -> str:
-    """This CPU's model name and feature flags (what -march=native compiles for)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return os.uname().machine
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
-    return "\n".join(dict.fromkeys(keep))
-
-
-def _compile(cc: str, out: Path, openmp: bool, extra: tuple[str, ...]) -> None:
-    cmd = [cc, *FLAGS, *extra, *(["-fopenmp"] if openmp else []), "-o", str(out), str(SOURCE)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
-
-
 def build(cache_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library's path, building it (about a second) only if the cache lacks it.
-    extra_flags: appended to FLAGS (tests build the portable scalar code with ("-mno-avx2",))."""
-    cc = os.environ.get("CC", "cc")
-    version = subprocess.run([cc, "--version"], check=True, capture_output=True, text=True).stdout
-    flags = " ".join(FLAGS + tuple(extra_flags))
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), flags, version, _cpu_id()]).encode())
-    folder = Path(cache_dir or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "fp8rl" / "kernels")
-    lib = folder / f"fused_cpu-{key.hexdigest()[:16]}.so"
-    if lib.exists():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=lib.name + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        try:
-            _compile(cc, Path(tmp), openmp=True, extra=tuple(extra_flags))
-        except subprocess.CalledProcessError:  # a compiler without OpenMP: single-threaded kernels
-            _compile(cc, Path(tmp), openmp=False, extra=tuple(extra_flags))
-        os.replace(tmp, lib)  # atomic: a concurrent loader sees no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+    """The compiled library's path, building it (a few seconds) only if the cache lacks it (cbuild.py).
+    extra_flags: appended to FLAGS (tests build the AVX2 and portable paths with PATH_FLAGS)."""
+    return cbuild.build(SOURCE, cache_dir, tuple(extra_flags))
+
+
+def default_flags() -> tuple[str, ...]:
+    """The options that keep the default build off a vector path whose flags $FP8RL_CPU_FLAGS_OFF hides
+    (x86 only; -march=native already leaves out what the CPU lacks)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    hidden = set(os.environ.get(cpu_features.ENV_OFF, "").replace(",", " ").split())
+    if hidden & set(PATH_NEEDS["avx2"]):
+        return PATH_FLAGS["scalar"]
+    return PATH_FLAGS["avx2"] if hidden & set(PATH_NEEDS["avx512"]) else ()
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (with one warning) where no C compiler works."""
     try:
-        return load(build())
+        return load(build(extra_flags=default_flags()))
     except (OSError, subprocess.SubprocessError) as err:
         warnings.warn(f"fp8rl: fused CPU FP8 kernels unavailable ({err}); using the pure-torch ones", stacklevel=2)
         return None
@@ -104,7 +96,17 @@ def load(path: Path) -> ctypes.CDLL:
     lib.fp8rl_dequantize.restype = ctypes.c_int
     lib.fp8rl_dequantize.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_int,
                                      ctypes.c_int]
+    lib.fp8rl_simd_path.restype = ctypes.c_int
+    lib.fp8rl_simd_path.argtypes = []
     return lib
+
+
+def simd_path(lib: ctypes.CDLL | None = None) -> str | None:
+    """The vector path a build runs: "avx512" (16 lanes), "avx2" (8 lanes) or "scalar" (portable C), decided
+    at compile time by -march=native (this CPU's flags, less $FP8RL_CPU_FLAGS_OFF); None where no build works.
+    lib: another build (see load) instead of this machine's default one."""
+    lib = lib or library()
+    return None if lib is None else SIMD_PATHS[lib.fp8rl_simd_path()]
 
 
 def _usable(t: torch.Tensor, dtypes, lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
@@ -113,6 +115,7 @@ def _usable(t: torch.Tensor, dtypes, lib: ctypes.CDLL | None) -> ctypes.CDLL | N
     return lib or library()
 
 
+@torch.compiler.disable  # ctypes writes through data pointers: Dynamo must not trace it (heap corruption)
 def quantize(x2: torch.Tensor, block: tuple[int, int], power_of_two: bool, want_dequant: bool,
              lib: ctypes.CDLL | None = None, want_q: bool = True
              ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
@@ -137,6 +140,7 @@ def quantize(x2: torch.Tensor, block: tuple[int, int], power_of_two: bool, want_
     return None if bad else (q, scale, deq)
 
 
+@torch.compiler.disable  # ctypes writes through data pointers: Dynamo must not trace it (heap corruption)
 def dequantize(q2: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
                lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """kernels.dequantize_blocks on q2 [M, N] unblocked -> [M, N] in out_dtype, or None (not applicable,

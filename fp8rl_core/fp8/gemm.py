@@ -6,8 +6,10 @@
 A is [M, K] and B is [N, K] (C = A @ B^T, the "TN" layout of an nn.Linear weight). Both operands are
 quantized along K with the same K-block (128); A's blocks are (1, 128) (or (128, 128)) and B's
 (1, 128) or (128, 128). Executors (chosen by `select_executor`; env FP8RL_GEMM=<name> overrides):
-  "emulated"            FP32 GEMM of the dequantized operands (any device; the CPU default), emulate.py
+  "emulated"            FP32 GEMM of the dequantized operands (any device; the default on other CPUs), emulate.py
   "emulated_blockwise"  DeepSeek's per-K-block order literally (reference; slower), emulate.py
+  "cpu_bf16dot"         DeepSeek's order on the CPU's BF16 dot products (AMX: the CPU default where
+                        present; AVX512_BF16 on request, see cpu_gemm.py)
   "scaled_mm"           torch blockwise scaled_mm on Hopper (SM90, cuBLAS >= 12.9), cuda_exec.py
 (There is no "te" executor: Transformer Engine runs FP8 end to end inside the Megatron-Core backend.)
 `executor_flags()`: what a run can log about the GEMMs so far (a BF16-output fallback, cuda_exec.py).
@@ -21,7 +23,7 @@ import torch
 from fp8rl_core.fp8.operand import Operand
 from fp8rl_core.fp8.quant import FP8_DTYPE, Block, check_block, scale_shape
 
-EXECUTORS = ("emulated", "emulated_blockwise", "scaled_mm")
+EXECUTORS = ("emulated", "emulated_blockwise", "cpu_bf16dot", "scaled_mm")
 ENV_VAR = "FP8RL_GEMM"
 
 
@@ -38,6 +40,10 @@ def select_executor(device: torch.device | str, override: str | None = None) -> 
 
         available = cuda_exec.available_executors(device)
         return available[0] if available else "emulated"
+    if device.type == "cpu":
+        from fp8rl_core.fp8 import cpu_gemm  # lazy: builds its C kernels on first use
+
+        return "cpu_bf16dot" if cpu_gemm.preferred() else "emulated"
     return "emulated"
 
 
@@ -98,6 +104,10 @@ def scaled_mm(a: Operand, b: Operand, *, out_dtype: torch.dtype, executor: str |
 
         run = emulate.fold_mm if name == "emulated" else emulate.blockwise_mm
         return run(a, b, out_dtype)
+    if name == "cpu_bf16dot":
+        from fp8rl_core.fp8 import cpu_gemm
+
+        return cpu_gemm.mm(a, b, out_dtype)
     from fp8rl_core.fp8 import cuda_exec  # lazy: CUDA-only code
 
     return cuda_exec.run(name, a, b, out_dtype)

@@ -51,7 +51,7 @@ from fp8rl_core.fp8.functional import (
     quantize_operand,
     quantize_weight,
 )
-from fp8rl_core.fp8.gemm import scaled_mm
+from fp8rl_core.fp8.gemm import scaled_mm, select_executor
 
 if TYPE_CHECKING:  # a type only: fp8/ does not import the config layer
     from fp8rl_core.config.recipe import Quantization
@@ -71,10 +71,16 @@ def weight_cache_enabled() -> bool:
     return os.environ.get("FP8RL_WEIGHT_CACHE", "1") not in ("0", "false", "False", "")
 
 
-def _grad_input(dy2: torch.Tensor, w: Fp8Weight, power_of_two: bool, check_finite: bool) -> torch.Tensor:
-    """dX [M, K] = Q(dY)[1,128] . Q(W) in FP32: B = W^T [K, N], W's [128,128] grid transposed."""
+def _grad_input(dy2: torch.Tensor, w: Fp8Weight, power_of_two: bool, check_finite: bool,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """dX [M, K] = Q(dY)[1,128] . Q(W) in FP32, cast once to out_dtype: B = W^T [K, N], W's [128,128]
+    grid transposed."""
     dy_op = quantize_operand(dy2, ACT_BLOCK, power_of_two=power_of_two, check_finite=check_finite, name="grad_output")
-    return scaled_mm(dy_op, w.operand().t(), out_dtype=torch.float32)
+    if select_executor(dy2.device) == "cpu_bf16dot":  # W^T packed once per weight value; the cast in its epilogue
+        from fp8rl_core.fp8 import cpu_gemm
+
+        return cpu_gemm.mm(dy_op, w.packed_b(transposed=True), out_dtype)
+    return scaled_mm(dy_op, w.operand().t(), out_dtype=torch.float32).to(out_dtype)
 
 
 def _grad_weight(dy2: torch.Tensor, x2: torch.Tensor, power_of_two: bool, check_finite: bool) -> torch.Tensor:
@@ -106,7 +112,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
-                dx = _grad_input(dy2, ctx.w, power_of_two, check_finite).to(x2.dtype).reshape(x_shape)
+                dx = _grad_input(dy2, ctx.w, power_of_two, check_finite, x2.dtype).reshape(x_shape)
             if ctx.needs_input_grad[1]:
                 dw = _grad_weight(dy2, x2, power_of_two, check_finite).to(w_dtype)
             if ctx.needs_input_grad[2]:

@@ -11,6 +11,11 @@ For a 2-D view x[M, N] cut into blocks of (br, bc) elements (trailing blocks may
 The stored scale is the dequantization multiplier (`weight_scale_inv` in HF checkpoints).
 Blocks: (1, 128) for activations and output gradients, (128, 128) for weights, (128, 1) for the
 column-wise re-quantization of the wgrad operands; any (br, bc) with br, bc >= 1 works.
+
+check_finite on CUDA does not sync: reading a GPU flag on every call would stall the host once per
+quantized tensor. The check is recorded on the device instead (the first non-finite call of each
+device, by index) and `check_nonfinite()` reads it, once per step (the run loop calls it), raising the
+same ValueError the CPU raises at once. Elsewhere (CPU) the check raises immediately, as always.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from fp8rl_core.fp8.kernels import (
     quantize_blocks,
 )
 
-__all__ = ["E4M3_MAX", "FP8_DTYPE", "MIN_SCALE", "quantize_blockwise", "dequantize_blockwise"]
+__all__ = ["E4M3_MAX", "FP8_DTYPE", "MIN_SCALE", "check_nonfinite", "quantize_blockwise", "dequantize_blockwise"]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -95,11 +100,46 @@ def quantize_2d(
     if fused is not None:
         return fused
     qb, scale, deqb = kernel(quantize_blocks)(to_blocks(x2, block), power_of_two, want_dequant)
-    if check_finite and not bool(torch.isfinite(scale).all()):
-        raise ValueError(f"{name}: non-finite values (NaN or inf) in a tensor to quantize, shape {tuple(x2.shape)}")
+    if check_finite:
+        message = f"{name}: non-finite values (NaN or inf) in a tensor to quantize, shape {tuple(x2.shape)}"
+        if defers_finite_check(scale.device):
+            _record_nonfinite(scale, message)
+        elif not bool(torch.isfinite(scale).all()):
+            raise ValueError(message)
     q = from_blocks(qb, m, n)
     deq = None if deqb is None else from_blocks(deqb, m, n)
     return q, scale, deq
+
+
+# device -> (flag: int64 0-d tensor on it, -1 or the index of the first non-finite call; messages -> index)
+_PENDING: dict[torch.device, tuple[torch.Tensor, dict[str, int]]] = {}
+
+
+def defers_finite_check(device: torch.device) -> bool:
+    """Whether check_finite is recorded on the device (CUDA: no sync) rather than raised at once."""
+    return device.type == "cuda"
+
+
+def _record_nonfinite(scale: torch.Tensor, message: str) -> None:
+    """Mark `message` on scale's device if scale holds NaN/inf and nothing was marked yet: device ops
+    only (no .item(), no bool()). Messages repeat every step (same layers, same shapes), so the table
+    of messages stays as small as the model."""
+    flag, messages = _PENDING.setdefault(scale.device, (torch.full((), -1, dtype=torch.int64,
+                                                                    device=scale.device), {}))
+    index = messages.setdefault(message, len(messages))
+    first = torch.isfinite(scale).all().logical_not_().logical_and_(flag < 0)
+    flag.masked_fill_(first, index)
+
+
+def check_nonfinite() -> None:
+    """Read the deferred finiteness checks (one sync per device that has any) and clear them; raise the
+    ValueError of the first tensor that held NaN/inf since the last call. Cheap when nothing deferred."""
+    pending = list(_PENDING.items())
+    _PENDING.clear()
+    for _, (flag, messages) in pending:
+        index = int(flag.item())
+        if index >= 0:
+            raise ValueError(next(m for m, i in messages.items() if i == index))
 
 
 def dequantize_2d(q2: torch.Tensor, scale: torch.Tensor, block: Block, out_dtype: torch.dtype = torch.float32
@@ -127,7 +167,8 @@ def quantize_blockwise(
     reciprocal), clamp to +-448, round to nearest E4M3 with ties to even. See the module docstring.
     power_of_two: scale = 2**ceil(log2(amax / 448)) instead (Transformer Engine's option).
     check_finite: raise ValueError naming `name` if x holds NaN/inf (checked on the per-block scales,
-    which any NaN/inf reaches, so the check is nearly free); False skips it.
+    which any NaN/inf reaches, so the check is nearly free); False skips it. On CUDA the error comes
+    from `check_nonfinite()`, without a sync per call (module docstring).
     """
     q, scale, _ = quantize_2d(
         as_2d(x, name), block, power_of_two=power_of_two, check_finite=check_finite, name=name, want_dequant=False

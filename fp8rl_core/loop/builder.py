@@ -6,9 +6,14 @@ Backends are chosen here by name (`engines.generation`, `engines.training`); the
 Ranks (fp8rl_core/distributed): the process group is joined here from the launcher's environment
 (torchrun, multi-task SLURM); world size 1 builds exactly the single-process context. Each rank gets
 its own generation engine whose sampling seed is `rank_seed(seed, rank)` (rank 0: the run's seed).
+
+FP8 GEMM preflight (fp8/preflight.py, `gemm_preflight`): once the model's config is known and before any
+engine is built, every rank checks every distinct GEMM shape its FP8 layers will run; a failure ends the
+cell here. Its result travels as numerics tags (`fp8rl.preflight.*`), which run.py also logs as metrics.
 """
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -22,6 +27,7 @@ from fp8rl_core.distributed import init_distributed
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
+from fp8rl_core.fp8 import preflight
 from fp8rl_core.fp8.gemm import select_executor
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.warmstart import warm_start
@@ -109,7 +115,7 @@ def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = 
                                 activation_checkpointing=cfg.parallel.activation_checkpointing,
                                 grad_reduce=cfg.parallel.grad_reduce,
                                 reshard_after_forward=cfg.parallel.reshard_after_forward,
-                                emulate_bf16=emulates_bf16(cfg, device))
+                                emulate_bf16=emulates_bf16(cfg, device), padding_free=cfg.train.padding_free)
 
 
 def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:
@@ -122,43 +128,73 @@ def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE
                            recipe=recipe_of(cfg),
                            temperature=cfg.rollout.temperature, compute_dtype=dtype, mesh=mesh,
                            logprob_batch_size=cfg.train.logprob_batch_size, cpu_offload=cfg.parallel.cpu_offload,
-                           emulate_bf16=emulates_bf16(cfg, device))
+                           emulate_bf16=emulates_bf16(cfg, device), padding_free=cfg.train.padding_free)
 
 
 def build_generation_engine(cfg: RunConfig, model_config: Any, device: str, rank: int = 0,
-                            recipe: Recipe | None = None, output_dir: str | None = None) -> Any:
-    """The generation engine of `recipe` (None: the run's, config.recipe_of) for this rank."""
+                            recipe: Recipe | None = None, output_dir: str | None = None,
+                            mesh: Mesh | None = None) -> Any:
+    """The generation engine of `recipe` (None: the run's, config.recipe_of) for this rank (`rank` seeds the
+    native engine; the vLLM engine takes rank, placement and seed from `mesh`, None: world size 1)."""
     recipe = recipe or recipe_of(cfg)
     if cfg.engines.generation != "native":
-        return vllm_engine(cfg, model_config, recipe, output_dir or cfg.output_dir)
+        return vllm_engine(cfg, model_config, recipe, output_dir or cfg.output_dir, mesh=mesh or SINGLE)
 
     return NativeGenerationEngine(model_config, recipe=recipe, dtype=compute_dtype(cfg), device=device,
                                   seed=rank_seed(cfg.seed, rank), emulate_bf16=emulates_bf16(cfg, device))
 
 
 def vllm_engine(cfg: RunConfig, model_config: Any, recipe: Recipe | None = None, output_dir: str | None = None,
-                task: Any = None) -> Any:
-    """vLLM generation engine (optional, needs CUDA) of the run, its tokenizer and task handed in."""
+                task: Any = None, mesh: Mesh = SINGLE) -> Any:
+    """vLLM generation engine (optional, needs CUDA) of the run on this rank (`mesh`: one engine per rank,
+    sampling seed rank_seed(seed, rank) as the native engine's), its tokenizer and task handed in."""
     from fp8rl_core.engines.vllm_gen import VllmGenerationEngine
 
     return VllmGenerationEngine(model_config, recipe=recipe or recipe_of(cfg), dtype=compute_dtype(cfg),
-                                vllm=cfg.engines.vllm, seed=cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                                vllm=cfg.engines.vllm, seed=rank_seed(cfg.seed, mesh.rank),
+                                max_new_tokens=cfg.rollout.max_new_tokens,
                                 output_dir=output_dir or cfg.output_dir, tokenizer=load_tokenizer(cfg),
-                                task=task if task is not None else make_task(cfg.task))
+                                task=task if task is not None else make_task(cfg.task), mesh=mesh)
 
 
-def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, device: str, rank: int = 0) -> Any:
-    """The arm's generation backend run in BF16 (the bf16 recipe's engine) beside an FP8 one, or None when
-    the arm generates in BF16 already: the engine-neutral evaluation (val_accuracy_bf16_eval) and
-    fp8_gen's matched-kernel replay. vLLM: a second engine, started asleep like the first."""
+class BF16Evaluator(NativeGenerationEngine):
+    """engines.generation vllm: the engine-neutral evaluation engine, the native generation engine in BF16
+    (vLLM 0.25.1 runs one sleep-mode engine per process, engines/vllm_gen.py). It holds weights only from a
+    refit (validation's, RunContext.bf16_engine) to `sleep(level=2)` (after the evaluation; at once on the
+    ranks that do not validate), so a rollout never finds it on the GPU; and it decodes at most `max_batch`
+    sequences at once (validation's batch, loop/run.py), so its KV cache is no larger than vLLM's pool."""
+
+    def __init__(self, *args: Any, max_batch: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_batch = max_batch
+
+    def refit(self, weights: Any) -> None:
+        self.sleep(level=2)  # the old copy goes before the new one is built: never two copies
+        super().refit(weights)
+
+    def sleep(self, level: int = 2) -> None:
+        """level 2: release the weights (the next use must be a refit: generate raises before); 1: keep."""
+        if level == 2:
+            self.blocks = []
+            self.embed = self.final_norm = self.lm_head = self._head32 = self._head_q = None
+
+
+def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, device: str, rank: int = 0,
+                                 mesh: Mesh | None = None) -> Any:
+    """The BF16 generation engine beside the arm's: the engine-neutral evaluation (val_accuracy_bf16_eval)
+    and fp8_gen's matched-kernel replay. Native generation: the arm's engine with the recipe in BF16, None
+    when the arm generates in BF16 already (its own engine serves). vLLM: for every recipe, bf16 included,
+    the native engine in BF16 (BF16Evaluator), so that every arm is evaluated by the same engine; no second
+    vLLM engine. Nothing is allocated before its first refit. `path`: unused (kept for callers)."""
     recipe = recipe_of(cfg)
+    if cfg.engines.generation == "vllm":
+        rows = -(-cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // (mesh or SINGLE).world_size)
+        return BF16Evaluator(model_config, recipe=recipe.in_bf16(), dtype=compute_dtype(cfg), device=device,
+                             seed=rank_seed(cfg.seed, rank), emulate_bf16=emulates_bf16(cfg, device),
+                             max_batch=min(cfg.engines.vllm.max_num_seqs or rows, rows))
     if not recipe.fp8_generation:
         return None
-    gen = build_generation_engine(cfg, model_config, device, rank, recipe=recipe.in_bf16(),
-                                  output_dir=str(Path(cfg.output_dir) / "bf16_engine"))
-    if cfg.engines.generation == "vllm":
-        gen.start(path)
-    return gen
+    return build_generation_engine(cfg, model_config, device, rank, recipe=recipe.in_bf16(), mesh=mesh)
 
 
 def build_trainers(cfg: RunConfig, path: Path, device: str, mesh: Mesh) -> tuple[Any, Any]:
@@ -172,18 +208,72 @@ def build_engines(cfg: RunConfig, path: Path, model_config: Any, device: str, me
     """(generation, BF16 generation or None, training, reference or None) engines; the caller refits the
     generation engines from the trainer.
 
-    vLLM starts first, on `path`, and sleeps (the BF16 evaluation engine of an FP8 arm likewise): their
-    start-up free-memory checks must run before the trainer's FP32 master weights take the GPU
+    vLLM starts first, on `path`, and sleeps (the BF16 evaluation engine is native, empty until validation):
+    its start-up free-memory check must run before the trainer's FP32 master weights take the GPU
     (VllmGenerationEngine.start). Native: the trainers, then the generation engines."""
     rank = mesh.rank
     if cfg.engines.generation == "vllm":
-        gen = build_generation_engine(cfg, model_config, device, rank)
-        gen.start(path)
-        bf16_gen = build_bf16_generation_engine(cfg, path, model_config, device, rank)
+        gen = build_generation_engine(cfg, model_config, device, rank, mesh=mesh)
+        gen.start(path)  # one engine per rank on its own GPU; rank 0 writes an FP8 start checkpoint
+        bf16_gen = build_bf16_generation_engine(cfg, path, model_config, device, rank, mesh=mesh)
         return (gen, bf16_gen, *build_trainers(cfg, path, device, mesh))
     train, ref = build_trainers(cfg, path, device, mesh)
     return (build_generation_engine(cfg, model_config, device, rank),
             build_bf16_generation_engine(cfg, path, model_config, device, rank), train, ref)
+
+
+PREFLIGHT_ENV = "FP8RL_PREFLIGHT"  # "0": skip the FP8 GEMM preflight (debugging only; the run is tagged)
+
+
+def preflight_ms(cfg: RunConfig, world_size: int = 1, device: str = "cuda") -> tuple[int, ...]:
+    """The M values of the FP8 GEMM preflight: on CUDA a decode-sized M (this rank's rows, decoded at once)
+    and a training-sized M (a micro-batch's tokens, as the memory plan counts them); on the CPU the small
+    preflight.CPU_MS (docs/design.md, "FP8 GEMM preflight")."""
+    if torch.device(device).type != "cuda":
+        return preflight.CPU_MS
+    from fp8rl_core.distributed.memory_plan import layout_for_run
+
+    lay = layout_for_run(cfg, world_size, device="cuda")
+    return tuple(dict.fromkeys((lay.rows_per_rank, (lay.micro_batch_size or lay.rows_per_rank) * lay.tokens)))
+
+
+def preflight_shapes(cfg: RunConfig, model_config: Any, world_size: int = 1, device: str = "cuda",
+                     ms: tuple[int, ...] | None = None) -> list[preflight.GemmShape]:
+    """Every distinct GEMM that the cell's FP8 layers run on our executors (fp8/preflight.py): those of a
+    native trainer training in block128 and of a native generation engine generating in block128 (vLLM,
+    Megatron-Core and the other formats run other kernels). ms None: preflight_ms."""
+    recipe = recipe_of(cfg)
+    ours = lambda quant, engine: quant is not None and quant.format == "block128" and engine == "native"  # noqa: E731
+    training, generation = ours(recipe.training, cfg.engines.training), ours(recipe.generation, cfg.engines.generation)
+    layers = model_config.num_hidden_layers
+    blocks, head = len(recipe.bf16_blocks(layers)) < layers, recipe.lm_head == "fp8"
+    if not (training or generation) or not (blocks or head):
+        return []
+    return preflight.model_shapes(model_config, ms or preflight_ms(cfg, world_size, device), lm_head=head,
+                                  training=training, generation=generation, blocks=blocks)
+
+
+def gemm_preflight(cfg: RunConfig, model_config: Any, device: str, mesh: Mesh = SINGLE) -> dict[str, str]:
+    """The FP8 GEMM preflight on this rank's device, before any engine is built: its MLflow tags
+    (PreflightResult.as_params), {} when no FP8 GEMM runs on our executors. Every rank checks its own
+    device; when any fails, every rank raises PreflightError (one all-reduce), none waits alone."""
+    shapes = preflight_shapes(cfg, model_config, mesh.world_size, device)
+    if not shapes:
+        return {}
+    if os.environ.get(PREFLIGHT_ENV, "1") in ("0", "false", "off"):
+        return {preflight.TAG: "skipped"}
+    error, tags = None, {}
+    try:
+        tags = preflight.run_preflight(shapes, device).as_params()
+    except preflight.PreflightError as e:
+        error = e
+    failed = int(mesh.all_reduce_max([mesh.rank + 1 if error is not None else 0])[0]) - 1
+    if error is not None:
+        raise error
+    if failed >= 0:
+        raise preflight.PreflightError(f"FP8 GEMM preflight failed on rank {failed} (its error names the shape); "
+                                       f"this rank's {len(shapes)} shapes passed on {device}; no FP8 step ran")
+    return tags
 
 
 def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = None) -> RunContext:
@@ -205,10 +295,11 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     path = initial_checkpoint(cfg, tokenizer, task, progress and mesh.is_rank0)
 
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
+    checked = gemm_preflight(cfg, model_config, device, mesh)  # raises before any engine or FP8 step
     gen, bf16_gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
     ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,
-                     recipe=recipe_of(cfg), numerics=numerics_tags(cfg, device))
+                     recipe=recipe_of(cfg), numerics={**numerics_tags(cfg, device), **checked})
     ctx.refit_generation()
     return ctx

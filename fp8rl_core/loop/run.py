@@ -24,6 +24,9 @@ from fp8rl_core.config import RunConfig, run_config_hash
 from fp8rl_core.config.schema import flatten
 from fp8rl_core.diagnostics.tokens import after_step
 from fp8rl_core.distributed import shutdown
+from fp8rl_core.engines import base as engines
+from fp8rl_core.fp8.preflight import PreflightError, metrics_from_params
+from fp8rl_core.fp8.quant import check_nonfinite
 from fp8rl_core.io import checkpoint as ckpt
 from fp8rl_core.loop.builder import build_context
 from fp8rl_core.loop.context import RunContext
@@ -82,16 +85,30 @@ def _as_tuple(x: Any) -> Any:
 def _validate(ctx: RunContext) -> dict[str, float] | None:
     """Collective. Rank 0's metrics (None elsewhere): validation on the arm's own generation engine, and
     `val_accuracy_bf16_eval`: the same prompts and sampling seed through the BF16 engine (the arm's own
-    for a BF16-generating recipe). Every rank takes part in the BF16 engine's refit (from sharded weights
-    an all-gather per tensor); the generation itself runs on rank 0 alone and needs no collective (the
-    other ranks wait for it at the next step's first one)."""
-    neutral_engine = ctx.bf16_engine()
+    for a BF16-generating recipe under native generation; under vLLM the native BF16 evaluator for every
+    recipe, builder.BF16Evaluator). Every rank takes part in the BF16 engine's refit (from sharded weights
+    an all-gather per tensor); rank 0 refits it only after the arm's engine has validated and slept, so the
+    two never hold the GPU together (the other ranks wait in that refit). The generation itself runs on
+    rank 0 alone and needs no collective."""
+    other = ctx.bf16_gen is not None  # else the arm's own engine serves (RunContext.bf16_engine)
     if not ctx.mesh.is_rank0:
+        if other:  # refit with rank 0, then released: its next use follows a refit
+            engines.sleep(ctx.bf16_engine(), level=2)
         return None
     sampling, samples = sampling_params(ctx.cfg), ctx.cfg.train.val_samples
-    out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples)
-    out[M_VAL_ACC_BF16_EVAL] = out[M_VAL_ACC] if neutral_engine is ctx.gen else validation_metrics(
-        neutral_engine, ctx.tokenizer, ctx.task, sampling, samples, greedy=False)[M_VAL_ACC]
+    with engines.awake(ctx.gen):  # many generate calls on one set of weights; the next rollout uses them too
+        out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples)
+    if not other:
+        out[M_VAL_ACC_BF16_EVAL] = out[M_VAL_ACC]
+        return out
+    engines.sleep(ctx.gen, level=1)  # keep its weights (host) for the next rollout: no refit before it
+    neutral_engine = ctx.bf16_engine()  # refit now, on the GPU the arm's engine gave back
+    batch = getattr(neutral_engine, "max_batch", None)  # the native evaluator's KV bound (builder.BF16Evaluator)
+    with engines.awake(neutral_engine):
+        neutral = validation_metrics(neutral_engine, ctx.tokenizer, ctx.task, sampling, samples, greedy=False,
+                                     **({"batch_size": batch} if batch else {}))
+    out[M_VAL_ACC_BF16_EVAL] = neutral[M_VAL_ACC]
+    engines.sleep(neutral_engine, level=2)
     return out
 
 
@@ -142,7 +159,10 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
     """
     out_dir = Path(cfg.output_dir)
     ckpt_dir = out_dir / "checkpoints"
-    ctx = build_context(cfg, progress=progress)
+    try:
+        ctx = build_context(cfg, progress=progress)
+    except PreflightError as e:  # a GEMM shape failed before any engine or FP8 step (fp8/preflight.py)
+        raise RunFailed(str(e)) from e
     clean = False
     try:
         metrics = _run_steps(ctx, out_dir, ckpt_dir, progress, stop_after)
@@ -163,6 +183,9 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
         sink.log_params(flatten(run_params(cfg)))
     # tags, not params: a resumed run may reshard, or run on another CPU kind (per attempt)
     sink.set_tags({TAG_WORLD_SIZE: ctx.mesh.world_size, **ctx.numerics})
+    # the FP8 GEMM preflight (builder) as metrics at step 0; a resumed attempt's own is in its tags only
+    if done == 0 and (preflight := metrics_from_params(ctx.numerics)):
+        sink.log(0, preflight)
     last: dict[str, float] = {}
     bar = tqdm(total=cfg.train.steps, initial=done, desc=f"{cfg.recipe}/IS={cfg.loss.importance_sampling}"
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
@@ -173,7 +196,9 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
             try:
                 last = grpo_step(ctx)
             except FloatingPointError as e:
+                check_nonfinite()  # on CUDA the quantizer's NaN/inf check is deferred: it names the tensor
                 raise RunFailed(f"step {step}: {e}") from e
+            check_nonfinite()  # the deferred check's one GPU->CPU sync per step (fp8/quant.py); nothing on a CPU
             if _is_val_step(cfg, step):
                 last.update(_validate(ctx) or {})
             sink.log(step, last)

@@ -25,12 +25,11 @@ accumulation.
 """
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fp8rl_core.fp8 import cpu_features
 
 BF16_COMPUTE = ("auto", "native", "emulated")
 # CPU flags (Linux /proc/cpuinfo names) of BF16 dot-product instructions: AVX512_BF16 `vdpbf16ps`
@@ -40,18 +39,9 @@ BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 RECORDED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "bf16")
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (the `flags` / `Features` line of /proc/cpuinfo; empty where unreadable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+    """This CPU's feature flags (fp8rl_core.fp8.cpu_features.proc_flags: /proc/cpuinfo, read once)."""
+    return cpu_features.proc_flags()
 
 
 def has_bf16_dot(flags: frozenset[str] | None = None) -> bool:

@@ -17,6 +17,7 @@ from torch import nn
 
 from fp8rl_core.model import bf16
 from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.packing import Packed
 from fp8rl_core.model.rope import inv_freq as rope_inv_freq
 
 
@@ -95,19 +96,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=o_bias)
         self.emulate_bf16 = False  # BF16 attention on FP32 upcasts (model/bf16.py: emulate_bf16_matmuls)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x [B, T, hidden], positions Long[B, T], mask Bool[B, 1, T, T] (True = attend) or None (causal)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
+        """x [B, T, hidden], positions Long[B, T], mask Bool[B, 1, T, T] (True = attend) or None (causal).
+
+        packed (model/packing.py): x [1, N, hidden] holds the real tokens of a batch, positions [1, N];
+        attention runs per sequence on packed.to_grid(q, k, v) (causal) and returns to the N tokens."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, q.dtype, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if packed is not None:  # [1, heads, N, D] -> [B, heads, L, D]: one row per sequence
+            q, k, v = (packed.to_grid(z[0].transpose(0, 1)).transpose(1, 2) for z in (q, k, v))
         if self.n_kv != self.n_heads:  # GQA: each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = causal_attention(q, k, v, mask, self.emulate_bf16)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = causal_attention(q, k, v, mask, self.emulate_bf16).transpose(1, 2)  # [B, T or L, heads, D]
+        if packed is not None:
+            out = packed.from_grid(out)[None]  # [1, N, heads, D]
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -133,6 +142,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, mask)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, mask, packed)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,7 +1,8 @@
 """The policy model: a Llama-architecture decoder (Qwen2 = Llama + q/k/v bias) with HF's module names.
 
 `CausalLM(cfg)(input_ids [B, T], attention_mask [B, T] | None) -> logits [B, T, V]`, in the dtype
-of its parameters (run it under `torch.autocast` for BF16 compute on FP32 master weights).
+of its parameters (run it under `torch.autocast` for BF16 compute on FP32 master weights); padding-free,
+`(ids [1, N], packed=pack(attention_mask))` -> logits [1, N, V] of the real tokens only (model/packing.py).
 Its state_dict keys equal Hugging Face's (`model.layers.{i}.self_attn.q_proj.weight`, ...), so a
 checkpoint loads by name; with tied embeddings `lm_head.weight` is the embedding parameter itself.
 """
@@ -12,6 +13,7 @@ from torch import nn
 
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.layers import DecoderLayer, RMSNorm
+from fp8rl_core.model.packing import Packed
 
 INIT_STD = 0.02  # HF's initializer_range default for Llama/Qwen2
 
@@ -25,14 +27,18 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        positions, mask = positions_and_mask(input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                packed: Packed | None = None) -> torch.Tensor:
+        if packed is None:
+            positions, mask = positions_and_mask(input_ids, attention_mask)
+        else:  # the real tokens of a batch in one row [1, N]: attention per sequence (model/packing.py)
+            positions, mask = packed.positions[None], None
         x = self.embed_tokens(input_ids)
         if torch.is_autocast_enabled(x.device.type):
             # autocast leaves embeddings in FP32; the residual stream of a BF16 trainer is BF16
             x = x.to(torch.get_autocast_dtype(x.device.type))
         for layer in self.layers:
-            x = layer(x, positions, mask)
+            x = layer(x, positions, mask, packed)
         return self.norm(x)
 
 
@@ -53,12 +59,18 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                packed: Packed | None = None) -> torch.Tensor:
         """input_ids Long[B, T], attention_mask [B, T] (1 = real token) -> logits [B, T, V].
 
         Logits at padding positions are computed but meaningless; callers mask them out.
+        Padding-free (model/packing.py): input_ids Long[1, N] = the real tokens `packed.take(ids)[None]`
+        of a padded batch, attention_mask None -> logits [1, N, V] of those tokens only.
         """
-        return self.lm_head(self.model(input_ids, attention_mask))
+        if packed is not None and (attention_mask is not None or input_ids.shape != (1, packed.num_tokens)):
+            raise ValueError(f"packed: input_ids must be the batch's {packed.num_tokens} real tokens as [1, N] "
+                             f"with attention_mask None; got {tuple(input_ids.shape)}")
+        return self.lm_head(self.model(input_ids, attention_mask, packed))
 
 
 def positions_and_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None

@@ -227,7 +227,8 @@ def test_vllm_kv_pool_and_sleep_mode(llama_dir):
     asleep = plan_memory(llama_dir, Layout(**base, vllm=True, vllm_max_model_len=4608, vllm_concurrency=64))
     per_token = 32 * 2 * 8 * 128 * 2  # layers x (k, v) x kv heads x head_dim x BF16: 128 KiB
     assert asleep.phase == "generation" and asleep.device["kv_cache"] == 64 * 4608 * per_token
-    assert asleep.host["gen_weights"] == asleep.device["gen_weights"] == 2 * asleep.params.total
+    assert asleep.device["gen_weights"] == 2 * asleep.params.total
+    assert "gen_weights" not in asleep.host  # sleep(level=2) discards them: the refit reloads them
     awake = plan_memory(llama_dir, Layout(**base, vllm=True, vllm_max_model_len=4608, vllm_concurrency=64,
                                           vllm_sleep=False))
     assert awake.peak > asleep.peak and "gen_weights" not in awake.host  # resident while training too
@@ -262,7 +263,7 @@ def test_the_8b_cluster_sweep_fits_8x80gb():
         assert lay.vllm and lay.vllm_max_model_len == 4608 and lay.vllm_concurrency == 64
         plan = plan_memory(LLAMA_8B, lay)  # the checkpoint's config.json lives on the cluster: its fields here
         assert check(plan, 80 * GiB) is None, (cell.label(), plan.table())
-        assert plan.device["kv_cache"] == cfg.engines.vllm.kv_cache_memory_bytes
+        assert plan.phases["generation"]["kv_cache"] == cfg.engines.vllm.kv_cache_memory_bytes
 
 
 @pytest.mark.parametrize("fmt,bits,scale_bytes", [

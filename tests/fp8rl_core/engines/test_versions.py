@@ -52,7 +52,7 @@ def test_a_torch_vllm_was_not_built_for_is_an_error():
 
 
 def test_untested_newer_versions_warn():
-    got = {"torch": "2.11.0", "megatron-core": "0.19.2", "transformer-engine": "2.15.0"}
+    got = {"torch": "2.11.0", "megatron-core": "0.19.2", "transformer-engine": "2.11.0"}
     with pytest.warns(RuntimeWarning, match="megatron-core 0.19.2 is not the tested 0.16.1"):
         notes = v.check_stack(("megatron-core", "transformer-engine"), get=fake(got))
     assert len(notes) == 1

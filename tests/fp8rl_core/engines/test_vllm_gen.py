@@ -362,9 +362,12 @@ class FakeRunner:
 
 class FakeLLM:
     instances: list[FakeLLM] = []
+    cache_emptied = False  # torch.cuda.empty_cache() called since the last wake_up (the fixture's fake)
+    wakes_without_empty_cache: list[tuple] = []
 
     def __init__(self, **kwargs):
         self.kwargs, self.reloads, self.resets, self.requests, self.events = kwargs, [], 0, [], []
+        self.device_at_start = torch.cuda.current_device()
         self.worker = type("Worker", (), {"model_runner": FakeRunner(), "reload_weights": lambda *a, **k: None})()
         FakeLLM.instances.append(self)
 
@@ -385,6 +388,9 @@ class FakeLLM:
 
     def wake_up(self, tags=None):
         self.events.append(("wake_up", tuple(tags or ())))
+        if not FakeLLM.cache_emptied:
+            FakeLLM.wakes_without_empty_cache.append(tuple(tags or ()))
+        FakeLLM.cache_emptied = False
 
     def generate(self, prompts, params, use_tqdm=True):
         assert len(prompts) == len(params) and not use_tqdm
@@ -396,6 +402,11 @@ class FakeLLM:
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
+    return install_fake_vllm(monkeypatch)
+
+
+def install_fake_vllm(monkeypatch) -> list[FakeLLM]:
+    """A fake `vllm` module (FakeLLM) and fake torch.cuda functions; returns the LLMs it will create."""
     import importlib.machinery
     import sys
     import types
@@ -406,11 +417,36 @@ def fake_vllm(monkeypatch):
     mod.LLM = FakeLLM
     mod.SamplingParams = lambda **kw: kw
     monkeypatch.setitem(sys.modules, "vllm", mod)
+    fake_cuda(monkeypatch)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import weakref
+
+    from fp8rl_core.engines import vllm_gen
+    monkeypatch.setattr(vllm_gen, "_SLEEP_MODE_ENGINES", weakref.WeakSet(), raising=False)
+    FakeLLM.instances.clear()
+    FakeLLM.wakes_without_empty_cache.clear()
+    FakeLLM.cache_emptied = False
+    return FakeLLM.instances
+
+
+def fake_cuda(monkeypatch, devices: int = 8) -> dict:
+    """torch.cuda's functions the engine calls, faked at the boundary: `devices` GPUs, a current device
+    that set_device changes, and empty_cache recorded for FakeLLM.wake_up."""
+    state = {"current": 0}
+
+    def set_device(d):
+        state["current"] = int(getattr(d, "index", d))
+
+    def empty_cache():
+        FakeLLM.cache_emptied = True
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * 2**30, 80 * 2**30))
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    FakeLLM.instances.clear()
-    return FakeLLM.instances
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: state["current"])
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    return state
 
 
 def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
@@ -447,7 +483,7 @@ def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
     engine.refit(random_weights(ODD, seed=2))
     engine.generate(prompts, SamplingParams(max_new_tokens=3, seed=12))
     assert llm.events == [("wake_up", ("weights",)), ("reload",), ("wake_up", ("kv_cache",)), ("generate",),
-                          ("sleep", 1)]
+                          ("sleep", 2)]
     with pytest.raises(ValueError, match="engines.vllm.max_model_len"):
         engine.generate([[1] * 40], SamplingParams(max_new_tokens=3))
     engine.close()
@@ -510,24 +546,21 @@ def test_builder_starts_vllm_before_the_trainer(fake_vllm, monkeypatch, tmp_path
     events: list = []
     _record_builds(monkeypatch, events, fake_vllm)
     ctx = build_context(cfg, progress=False, mesh=SINGLE)
-    asleep = [("sleep", 1)] if sleep else []
-    # the arm's LLM (and, for FP8 generation, the BF16 evaluation engine's), already built and asleep
-    # when colocated, when the trainer and the reference are built
-    n = 2 if recipe == "fp8_gen" else 1
-    assert events == [("train", [asleep] * n), ("ref", [asleep] * n)]
+    asleep = [("sleep", 2)] if sleep else []
+    # the arm's LLM, the only one (the BF16 evaluation engine is native: vLLM runs one sleep-mode engine per
+    # process), already built and asleep when colocated, when the trainer and the reference are built
+    assert events == [("train", [asleep]), ("ref", [asleep])]
     llm = fake_vllm[0]
     # FP8: the refit's checkpoint writer converts the initial weights; BF16: vLLM reads the folder as it is
     folder = tmp_path / "out" / "vllm_checkpoint" if recipe == "fp8_gen" else path
     assert llm.kwargs["model"] == str(folder)
     assert ("quantization_config" in json.loads((folder / "config.json").read_text())) == (recipe == "fp8_gen")
     assert ctx.gen.llm is llm and ctx.train.weights() is not None
-    if recipe == "fp8_gen":  # one evaluation engine for every arm: the same backend, in BF16, on the folder
-        bf16_llm = fake_vllm[1]
-        assert ctx.bf16_gen.llm is bf16_llm and bf16_llm.kwargs["model"] == str(path)
-        assert "quantization" not in bf16_llm.kwargs or bf16_llm.kwargs["quantization"] is None
-        assert ctx.bf16_gen.checkpoint_dir != ctx.gen.checkpoint_dir  # its own refit folder, never the arm's
-    else:
-        assert len(fake_vllm) == 1 and ctx.bf16_gen is None
+    # one evaluation engine for every arm, bf16 included: the native engine in BF16, empty until validation
+    from fp8rl_core.loop.builder import BF16Evaluator
+
+    assert len(fake_vllm) == 1 and isinstance(ctx.bf16_gen, BF16Evaluator)
+    assert not ctx.bf16_gen.fp8 and not ctx.bf16_gen.blocks
 
 
 def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
@@ -539,10 +572,11 @@ def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
     engine = vllm_engine(cfg, ODD)
     engine.start(path)
     (llm,) = fake_vllm
-    assert llm.events == [("sleep", 1)] and engine.asleep == {"weights", "kv_cache"}
+    assert llm.events == [("sleep", 2)] and engine.asleep == {"weights", "kv_cache"} and engine.discarded
     engine.refit(random_weights(ODD, seed=3))
     assert len(fake_vllm) == 1  # the running engine, no second vllm.LLM
-    assert llm.events == [("sleep", 1), ("wake_up", ("weights",)), ("reload",)] and llm.resets == 1
+    assert llm.events == [("sleep", 2), ("wake_up", ("weights",)), ("reload",)] and llm.resets == 1
+    assert not engine.discarded
     (sent,) = llm.reloads
     assert sent["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert engine.asleep == {"kv_cache"}  # woken by the next generate
@@ -629,11 +663,13 @@ def test_vllm_engine_matches_training_engine_and_refits(recipe, tmp_path):
     sampling = SamplingParams(max_new_tokens=12, seed=5)
     try:
         gen.refit(train.weights())
-        out = gen.generate(prompts, sampling)
-        batch = build_train_batch(prompts, out, gen.pad_id)
-        before = token_mult_prob_error(train.logprobs(batch), batch.gen_logprobs, batch.response_mask)
-        again = gen.generate(prompts, sampling)  # same seed, same weights: the same samples
+        with gen.awake():  # two generations on one refit: no level-2 sleep in between
+            out = gen.generate(prompts, sampling)
+            batch = build_train_batch(prompts, out, gen.pad_id)
+            before = token_mult_prob_error(train.logprobs(batch), batch.gen_logprobs, batch.response_mask)
+            again = gen.generate(prompts, sampling)  # same seed, same weights: the same samples
         assert torch.equal(again.response_ids, out.response_ids)
+        gen.sleep(level=2)  # as after a rollout: the weights are discarded, vLLM saves its buffers
         torch.manual_seed(1)
         with torch.no_grad():  # a new policy: refit must reach the running engine
             for p in model.parameters():

@@ -109,8 +109,9 @@ def test_fp8linear_forward_backward_vs_float64(fmt, sf, x_dtype):
     assert torch.equal(layer.bias.grad, dy2.float().sum(0))
 
 
-def test_block128_through_the_generic_path_equals_its_own_path():
+def test_block128_through_the_generic_path_equals_its_own_path(monkeypatch):
     """block128.py + lowp reproduce Fp8Linear's block128 path (the emulated executor) bit for bit."""
+    monkeypatch.setenv("FP8RL_GEMM", "emulated")  # lowp's GEMM is the emulation, whatever this CPU's default
     torch.manual_seed(0)
     layer = Fp8Linear(200, 130)
     x = torch.randn(9, 200, requires_grad=True)

@@ -1,4 +1,5 @@
-"""The fused CPU quantizer (fused_cpu.c) against the pure-torch reference kernels, bit for bit."""
+"""The fused CPU quantizer (fused_cpu.c, this machine's default build) against the pure-torch reference
+kernels, bit for bit; test_fused_cpu_simd.py checks each vector path (AVX-512, AVX2, portable C)."""
 from __future__ import annotations
 
 import pytest
@@ -33,6 +34,7 @@ def bits(q: torch.Tensor) -> torch.Tensor:
 
 def test_library_builds_here():
     assert fused_cpu.library() is not None, "the C compiler (cc) must work on this machine"
+    assert fused_cpu.simd_path() in ("avx512", "avx2", "scalar")  # each path: test_fused_cpu_simd.py
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -119,30 +121,6 @@ def test_non_contiguous_input_and_threads():
             assert torch.equal(bits(q1), bits(q0)) and torch.equal(s1, s0) and torch.equal(d1, d0)
     finally:
         torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def scalar_lib(tmp_path_factory):
-    """The kernels built without AVX2: the portable loops that every other CPU runs."""
-    return fused_cpu.load(fused_cpu.build(tmp_path_factory.mktemp("scalar"), ("-mno-avx2",)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block", BLOCKS)
-def test_portable_build_gives_the_same_bits(scalar_lib, dtype, block):
-    """The AVX2 loops (this machine's default) and the portable C loops agree bit for bit; both are
-    checked against the reference above, this pins the portable ones on a machine that has AVX2."""
-    x = wide_range((300, 1000), dtype, seed=5)
-    for power_of_two in (False, True):
-        q1, s1, d1 = fused_cpu.quantize(x, block, power_of_two, want_dequant=True, lib=scalar_lib)
-        q0, s0, d0 = reference(x, block, power_of_two)
-        assert torch.equal(bits(q1), bits(q0)) and torch.equal(s1, s0)
-        assert torch.equal(d1.view(torch.int32), d0.contiguous().view(torch.int32))
-        q2, _, d2 = fused_cpu.quantize(x, block, power_of_two, want_dequant=True, lib=scalar_lib, want_q=False)
-        assert q2 is None and torch.equal(d2.view(torch.int32), d0.contiguous().view(torch.int32))
-    for out_dtype in (torch.float32, torch.bfloat16):
-        got = fused_cpu.dequantize(q0, s0, block, out_dtype, lib=scalar_lib)
-        assert torch.equal(got, fused_cpu.dequantize(q0, s0, block, out_dtype))
 
 
 def test_build_is_cached_on_disk(tmp_path):

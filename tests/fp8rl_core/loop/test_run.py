@@ -178,9 +178,10 @@ def test_val_accuracy_bf16_eval_at_every_validation_from_a_bf16_engine(tmp_path,
         return
     assert ctx.bf16_gen is not None and ctx.bf16_gen is not ctx.gen and not ctx.bf16_gen.fp8 and ctx.gen.fp8
     calls = [x if x == "refit" else x[:3] for x in seen]
-    # one refit of the BF16 engine per validation (on every rank, before rank 0 validates: under FSDP2 it
-    # all-gathers), then the arm's engine and the BF16 engine, both on the trainer's current weights
-    assert calls == ["refit", (ctx.gen, True, True), (ctx.bf16_gen, False, True)] * 3, calls
+    # the arm's engine, then one refit of the BF16 engine per validation (on every rank: under FSDP2 it
+    # all-gathers; rank 0 after its arm has validated and slept) and the BF16 engine, both on the trainer's
+    # current weights
+    assert calls == [(ctx.gen, True, True), "refit", (ctx.bf16_gen, False, True)] * 3, calls
     assert list(neutral.values()) == [x[3] for x in seen if x != "refit" and x[0] is ctx.bf16_gen]
 
 

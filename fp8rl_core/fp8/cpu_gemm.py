@@ -1,0 +1,204 @@
+"""The "cpu_bf16dot" executor: the blockwise-FP8 GEMM on the CPU's BF16 dot-product instructions.
+
+    C[M, N] = sum_kb (P_kb * sa_kb[:, None]) * sb_kb[None, :],   P_kb = QA_kb @ QB_kb^T   (cpu_gemm.c)
+
+E4M3 values are exact in BF16 and their products exact in FP32, so AMX TDPBF16PS and AVX512_BF16
+VDPBF16PS compute P_kb with exact products and FP32 accumulation: DeepSeek-V3's fp8_gemm contract, at
+BF16 speed instead of an FP32 GEMM's. Error against float64 (tests): within emulated_blockwise's bound,
+    |C - C_exact| <= (bk + Kb + 2) * 2**-24 * C_abs,   C_abs = sum_kb |sa||sb| (|QA_kb| @ |QB_kb|^T),
+because it is the same computation in the same order (per block: k ascending, then scale, then add).
+The portable C path ("c") keeps that order literally; the SIMD paths are checked against it bit for bit.
+
+Paths, picked by this CPU's flags (cpu_features.py; FP8RL_CPU_FLAGS_OFF hides flags):
+  "amx"          amx_tile + amx_bf16 (the OS must grant tile state: fp8rl_amx_init)
+  "avx512_bf16"  avx512_bf16
+  "c"            portable C (tests; it is slower than the FP32 emulation, so no run selects it)
+`path()` says which one this CPU runs (None: neither instruction). `select_executor` picks the executor
+by itself only where the path is "amx" (`preferred()`): on Intel, VDPBF16PS multiplies 32 BF16 pairs per
+cycle on one port, the MAC rate of two FP32 FMAs, so without AMX the path ran at 0.6x the FP32 emulation
+here (Sapphire Rapids with AMX hidden: Fp8Linear forward+backward at M = 2048, K = N = 1024, 195 vs
+118 ms). CPUs whose dot products outrun their FP32 FMAs (AMD Zen 4/5, unmeasured) opt in with
+FP8RL_GEMM=cpu_bf16dot after benchmarks/fp8_numerics.py says so. Weights are packed once per
+quantization (`PackedB`, cached on the Fp8Weight).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import subprocess
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fp8rl_core.fp8 import cbuild, cpu_features
+from fp8rl_core.fp8.operand import Operand
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+PATHS = {"c": 0, "avx512_bf16": 1, "amx": 2}
+_COMPILED_BIT = {"c": 1, "avx512_bf16": 2, "amx": 4}
+BK, MR, NR = 128, 32, 32
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None (one warning) where no C compiler works."""
+    try:
+        return load(cbuild.build(SOURCE))
+    except (OSError, subprocess.SubprocessError) as err:
+        warnings.warn(f"fp8rl: CPU BF16-dot GEMM unavailable ({err})", stacklevel=2)
+        return None
+
+
+def load(lib_path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(lib_path))
+    lib.fp8rl_gemm_paths.restype = _int
+    lib.fp8rl_amx_init.restype = _int
+    for name in ("fp8rl_pack_a", "fp8rl_pack_b"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _int]
+    lib.fp8rl_gemm.restype = _int
+    lib.fp8rl_gemm.argtypes = [_ptr, _ptr, _Scales, _Scales, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _int,
+                               _int]
+    return lib
+
+
+@functools.cache
+def _amx_granted(lib: ctypes.CDLL) -> bool:
+    return lib.fp8rl_amx_init() == 0
+
+
+def path(lib: ctypes.CDLL | None = None) -> str | None:
+    """The fastest path this CPU runs: "amx", "avx512_bf16", or None (neither instruction, no compiler,
+    or a library built without them)."""
+    if not (cpu_features.has("avx512_bf16") or cpu_features.has("amx_tile", "amx_bf16")):
+        return None  # decided by the flags alone: no build on CPUs without the instructions
+    lib = lib or library()
+    return None if lib is None else _path(lib, os.environ.get(cpu_features.ENV_OFF, ""))
+
+
+@functools.cache
+def _path(lib: ctypes.CDLL, hidden: str) -> str | None:  # asked at every GEMM: once per hidden-flags value
+    compiled = lib.fp8rl_gemm_paths()
+    if cpu_features.has("amx_tile", "amx_bf16") and compiled & _COMPILED_BIT["amx"] and _amx_granted(lib):
+        return "amx"
+    if cpu_features.has("avx512_bf16") and compiled & _COMPILED_BIT["avx512_bf16"]:
+        return "avx512_bf16"
+    return None
+
+
+def preferred() -> bool:
+    """Whether select_executor("cpu") picks cpu_bf16dot by itself: AMX only (see the module docstring)."""
+    return path() == "amx"
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _codes(op: Operand) -> torch.Tensor:
+    if op.q is None:
+        raise ValueError("cpu_bf16dot: the operand has no E4M3 codes (quantized for the emulated executor)")
+    return op.q.view(torch.uint8)
+
+
+class _Scales(ctypes.Structure):
+    """An operand's block scales read in place by the kernel: row r, K-block kb at s[(r // block) * r_stride +
+    kb * k_stride] (cpu_gemm.c `scales`)."""
+
+    _fields_ = [("s", _ptr), ("r", _i64), ("k", _i64), ("block", _i64)]
+
+
+def _scales(scale: torch.Tensor, block_rows: int) -> tuple[torch.Tensor, _Scales]:
+    """(the FP32 scale tensor to keep alive, its descriptor)."""
+    s = scale if scale.dtype == torch.float32 else scale.float()
+    return s, _Scales(s.data_ptr(), s.stride(0), s.stride(1), block_rows)
+
+
+@dataclass(frozen=True)
+class PackedA:
+    """A [M, K] as BF16 in AMX A-tile order (data [Mp, Kp] holds tiles [Mp/16][Kp/32][16][32], cpu_gemm.c)
+    with its FP32 block scales [ceil(M/br), Kb], read in place."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block_rows: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class PackedB:
+    """B [N, K] as BF16 VNNI [Np/16, Kp/2, 16, 2] with its FP32 block scales [ceil(N/br), Kb], read in place."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block_rows: int
+    rows: int
+
+
+def _check_k(op: Operand) -> None:
+    if op.block[1] != BK:
+        raise ValueError(f"cpu_bf16dot: K-block {op.block[1]} (only {BK} is compiled)")
+
+
+@torch.compiler.disable  # ctypes reads data pointers: opaque to Dynamo, always eager
+def pack_a(op: Operand, lib: ctypes.CDLL | None = None) -> PackedA:
+    _check_k(op)
+    lib = lib or library()
+    codes = _codes(op)
+    (m, k), (sm, sk) = codes.shape, codes.stride()
+    mp, kp = _round_up(max(m, 1), MR), _round_up(max(k, 1), BK)
+    out = torch.empty(mp, kp, dtype=torch.bfloat16)
+    lib.fp8rl_pack_a(codes.data_ptr(), sm, sk, m, k, mp, kp, out.data_ptr(), torch.get_num_threads())
+    return PackedA(out, op.scale, op.block[0], m)
+
+
+@torch.compiler.disable  # ctypes reads data pointers: opaque to Dynamo, always eager
+def pack_b(op: Operand, lib: ctypes.CDLL | None = None) -> PackedB:
+    _check_k(op)
+    lib = lib or library()
+    codes = _codes(op)
+    (n, k), (sn, sk) = codes.shape, codes.stride()
+    np_, kp = _round_up(max(n, 1), NR), _round_up(max(k, 1), BK)
+    out = torch.empty(np_ // 16, kp // 2, 16, 2, dtype=torch.bfloat16)
+    lib.fp8rl_pack_b(codes.data_ptr(), sn, sk, n, k, np_, kp, out.data_ptr(), torch.get_num_threads())
+    return PackedB(out, op.scale, op.block[0], n)
+
+
+@torch.compiler.disable  # ctypes reads data pointers: opaque to Dynamo, always eager
+def mm(a: Operand | PackedA, b: Operand | PackedB, out_dtype: torch.dtype = torch.float32,
+       bias: torch.Tensor | None = None, path_name: str | None = None, lib: ctypes.CDLL | None = None
+       ) -> torch.Tensor:
+    """C [M, N] = A . B^T (+ bias [N] in FP32) in out_dtype (FP32 or BF16; others are cast from FP32).
+
+    a, b: Operands (packed here) or already packed ones; path_name: "amx" | "avx512_bf16" | "c" (default:
+    this CPU's fastest, `path()`)."""
+    lib = lib or library()
+    name = path_name or path(lib)
+    if lib is None or name is None:
+        raise RuntimeError(f"cpu_bf16dot: no BF16 dot-product path here (CPU flags: {cpu_features.kernel_flags()})")
+    if name == "amx" and not _amx_granted(lib):  # a tile instruction without the OS's grant is SIGILL
+        raise RuntimeError("cpu_bf16dot: the OS did not grant AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+    pa = a if isinstance(a, PackedA) else pack_a(a, lib)
+    pb = b if isinstance(b, PackedB) else pack_b(b, lib)
+    (mp, kp), np_ = pa.data.shape, pb.data.shape[0] * 16
+    if pb.data.shape[1] * 2 != kp:
+        raise ValueError(f"cpu_bf16dot: padded K differs (A {kp}, B {pb.data.shape[1] * 2})")
+    direct = out_dtype in (torch.float32, torch.bfloat16)
+    c = torch.empty(pa.rows, pb.rows, dtype=out_dtype if direct else torch.float32)
+    if bias is not None:
+        bias = bias.detach().to(torch.float32).contiguous()
+    (sa_t, sa), (sb_t, sb) = _scales(pa.scale, pa.block_rows), _scales(pb.scale, pb.block_rows)
+    bad = lib.fp8rl_gemm(pa.data.data_ptr(), pb.data.data_ptr(), sa, sb, pa.rows, pb.rows, mp, np_, kp,
+                         None if bias is None else bias.data_ptr(), c.data_ptr(), pb.rows,
+                         int(c.dtype == torch.bfloat16), PATHS[name], torch.get_num_threads())
+    del sa_t, sb_t  # the scale tensors the descriptors point into lived until here
+    if bad == 2:
+        raise ValueError(f"cpu_bf16dot: row blocks {pa.block_rows}, {pb.block_rows}: powers of two only")
+    if bad:
+        raise RuntimeError(f"cpu_bf16dot: path {name!r} is not compiled into {SOURCE.name}")
+    return c if direct else c.to(out_dtype)
