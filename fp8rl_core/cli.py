@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(f"# run id {run_config_hash(cfg)}")
         print(f"# {bf16_path_note(cfg)}")
+        print(f"# {fp8_gemm_note(cfg)}")
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     from fp8rl_core.loop.run import RunFailed, run
@@ -66,6 +67,17 @@ def bf16_path_note(cfg) -> str:
         return "BF16 path: none (model.dtype fp32: nothing runs in BF16)"
     why = "CUDA" if device.startswith("cuda") else f"CPU flags: {recorded_flags() or 'none of avx2/avx512/amx'}"
     return f"BF16 path: {path} (model.bf16_compute={cfg.model.bf16_compute} on {device}; {why})"
+
+
+def fp8_gemm_note(cfg) -> str:
+    """Which FP8 GEMM executor the CPU kernels take here, and the flags that decided it."""
+    from fp8rl_core.fp8 import cpu_features
+    from fp8rl_core.fp8.gemm import select_executor
+    from fp8rl_core.loop.builder import resolve_device
+
+    device = resolve_device(cfg)
+    why = "CUDA" if device.startswith("cuda") else f"CPU flags: {cpu_features.kernel_flags()}"
+    return f"FP8 GEMM: {select_executor(device)} (on {device}; {why})"
 
 
 def _check_world_size(cfg) -> None:

@@ -12,7 +12,8 @@ bash scripts/setup.sh
 # core (measured: 1.21 s/step at 2 threads vs 0.22 s/step at 1 thread, side by side under the same load).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # BF16 is native where the CPU has BF16 dot products (AVX512_BF16 / AMX), emulated exactly elsewhere
-fp8rl-train --print-config | sed -n 's/^# \(BF16 path: .*\)/\1/p'
+# and the FP8 GEMM runs on AMX tiles where the CPU has them (cpu_bf16dot), on the FP32 emulation elsewhere
+fp8rl-train --print-config | sed -n 's/^# \(BF16 path: .*\|FP8 GEMM: .*\)/\1/p'
 sweep run sweeps/fp8_ablation.yaml "$@"
 echo
 echo "See the runs in the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --host 127.0.0.1"

@@ -25,6 +25,7 @@
  * one cast to BF16 (round to nearest even), as the reference linear does.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
@@ -450,4 +451,18 @@ int fp8rl_gemm(const uint16_t *a, const uint16_t *b, scales sa_, scales sb_, int
 #endif
     }
     return 0;
+}
+
+/* fp8rl_gemm with A given as E4M3 codes (any strides, as fp8rl_pack_a takes them): packed into a scratch
+ * buffer here, so that an activation costs one call from Python instead of two and one tensor less.
+ * Returns fp8rl_gemm's codes, or 3 when the scratch cannot be allocated. */
+int fp8rl_gemm_codes(const uint8_t *codes, int64_t sm, int64_t sk, const uint16_t *b, scales sa_, scales sb_,
+                     int64_t M, int64_t N, int64_t K, int64_t Mp, int64_t Np, int64_t Kp, const float *bias, void *c,
+                     int64_t ldc, int out_bf16, int path, int nthreads) {
+    uint16_t *a = aligned_alloc(64, (size_t)(Mp * Kp * 2));
+    if (!a) return 3;
+    fp8rl_pack_a(codes, sm, sk, M, K, Mp, Kp, a, nthreads);
+    const int rc = fp8rl_gemm(a, b, sa_, sb_, M, N, Mp, Np, Kp, bias, c, ldc, out_bf16, path, nthreads);
+    free(a);
+    return rc;
 }

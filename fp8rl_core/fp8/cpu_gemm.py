@@ -61,6 +61,9 @@ def load(lib_path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _ptr, _int]
+    lib.fp8rl_gemm_codes.restype = _int
+    lib.fp8rl_gemm_codes.argtypes = [_ptr, _i64, _i64, _ptr, _Scales, _Scales, _i64, _i64, _i64, _i64, _i64, _i64,
+                                     _ptr, _ptr, _i64, _int, _int, _int]
     lib.fp8rl_gemm.restype = _int
     lib.fp8rl_gemm.argtypes = [_ptr, _ptr, _Scales, _Scales, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int, _int,
                                _int]
@@ -74,15 +77,17 @@ def _amx_granted(lib: ctypes.CDLL) -> bool:
 
 def path(lib: ctypes.CDLL | None = None) -> str | None:
     """The fastest path this CPU runs: "amx", "avx512_bf16", or None (neither instruction, no compiler,
-    or a library built without them)."""
-    if not (cpu_features.has("avx512_bf16") or cpu_features.has("amx_tile", "amx_bf16")):
-        return None  # decided by the flags alone: no build on CPUs without the instructions
-    lib = lib or library()
-    return None if lib is None else _path(lib, os.environ.get(cpu_features.ENV_OFF, ""))
+    or a library built without them). Asked at every GEMM: cached per value of $FP8RL_CPU_FLAGS_OFF."""
+    return _path(os.environ.get(cpu_features.ENV_OFF, ""), lib)
 
 
 @functools.cache
-def _path(lib: ctypes.CDLL, hidden: str) -> str | None:  # asked at every GEMM: once per hidden-flags value
+def _path(hidden: str, lib: ctypes.CDLL | None) -> str | None:
+    if not (cpu_features.has("avx512_bf16") or cpu_features.has("amx_tile", "amx_bf16")):
+        return None  # decided by the flags alone: no build on CPUs without the instructions
+    lib = lib or library()
+    if lib is None:
+        return None
     compiled = lib.fp8rl_gemm_paths()
     if cpu_features.has("amx_tile", "amx_bf16") and compiled & _COMPILED_BIT["amx"] and _amx_granted(lib):
         return "amx"
@@ -175,30 +180,42 @@ def mm(a: Operand | PackedA, b: Operand | PackedB, out_dtype: torch.dtype = torc
        ) -> torch.Tensor:
     """C [M, N] = A . B^T (+ bias [N] in FP32) in out_dtype (FP32 or BF16; others are cast from FP32).
 
-    a, b: Operands (packed here) or already packed ones; path_name: "amx" | "avx512_bf16" | "c" (default:
-    this CPU's fastest, `path()`)."""
+    a, b: Operands or already packed ones (an Operand A is packed inside the GEMM's call: one call, no
+    tensor); path_name: "amx" | "avx512_bf16" | "c" (default: this CPU's fastest, `path()`)."""
     lib = lib or library()
     name = path_name or path(lib)
     if lib is None or name is None:
         raise RuntimeError(f"cpu_bf16dot: no BF16 dot-product path here (CPU flags: {cpu_features.kernel_flags()})")
     if name == "amx" and not _amx_granted(lib):  # a tile instruction without the OS's grant is SIGILL
         raise RuntimeError("cpu_bf16dot: the OS did not grant AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
-    pa = a if isinstance(a, PackedA) else pack_a(a, lib)
     pb = b if isinstance(b, PackedB) else pack_b(b, lib)
-    (mp, kp), np_ = pa.data.shape, pb.data.shape[0] * 16
-    if pb.data.shape[1] * 2 != kp:
-        raise ValueError(f"cpu_bf16dot: padded K differs (A {kp}, B {pb.data.shape[1] * 2})")
+    np_, kp = pb.data.shape[0] * 16, pb.data.shape[1] * 2
+    if isinstance(a, PackedA):
+        (mp, kpa), rows, a_scale, a_block = a.data.shape, a.rows, a.scale, a.block_rows
+    else:
+        _check_k(a)
+        codes = _codes(a)
+        rows, kpa = codes.shape[0], _round_up(max(codes.shape[1], 1), BK)
+        mp, a_scale, a_block = _round_up(max(rows, 1), MR), a.scale, a.block[0]
+    if kpa != kp:
+        raise ValueError(f"cpu_bf16dot: padded K differs (A {kpa}, B {kp})")
     direct = out_dtype in (torch.float32, torch.bfloat16)
-    c = torch.empty(pa.rows, pb.rows, dtype=out_dtype if direct else torch.float32)
+    c = torch.empty(rows, pb.rows, dtype=out_dtype if direct else torch.float32)
     if bias is not None:
         bias = bias.detach().to(torch.float32).contiguous()
-    (sa_t, sa), (sb_t, sb) = _scales(pa.scale, pa.block_rows), _scales(pb.scale, pb.block_rows)
-    bad = lib.fp8rl_gemm(pa.data.data_ptr(), pb.data.data_ptr(), sa, sb, pa.rows, pb.rows, mp, np_, kp,
-                         None if bias is None else bias.data_ptr(), c.data_ptr(), pb.rows,
-                         int(c.dtype == torch.bfloat16), PATHS[name], torch.get_num_threads())
+    (sa_t, sa), (sb_t, sb) = _scales(a_scale, a_block), _scales(pb.scale, pb.block_rows)
+    tail = (None if bias is None else bias.data_ptr(), c.data_ptr(), pb.rows, int(c.dtype == torch.bfloat16),
+            PATHS[name], torch.get_num_threads())
+    if isinstance(a, PackedA):
+        bad = lib.fp8rl_gemm(a.data.data_ptr(), pb.data.data_ptr(), sa, sb, rows, pb.rows, mp, np_, kp, *tail)
+    else:
+        bad = lib.fp8rl_gemm_codes(codes.data_ptr(), *codes.stride(), pb.data.data_ptr(), sa, sb, rows, pb.rows,
+                                   codes.shape[1], mp, np_, kp, *tail)
     del sa_t, sb_t  # the scale tensors the descriptors point into lived until here
     if bad == 2:
-        raise ValueError(f"cpu_bf16dot: row blocks {pa.block_rows}, {pb.block_rows}: powers of two only")
+        raise ValueError(f"cpu_bf16dot: row blocks {a_block}, {pb.block_rows}: powers of two only")
+    if bad == 3:
+        raise MemoryError(f"cpu_bf16dot: no memory for A's packed copy ({mp} x {kp} BF16)")
     if bad:
         raise RuntimeError(f"cpu_bf16dot: path {name!r} is not compiled into {SOURCE.name}")
     return c if direct else c.to(out_dtype)

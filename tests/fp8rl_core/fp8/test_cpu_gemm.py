@@ -76,6 +76,8 @@ def test_strided_operands_and_epilogue():
         assert torch.equal(c, ct), (m, k)
     c, ops = run("c", 70, 90, 384, (1, 128))
     qa, sa, qb, sb = ops
+    packed = cpu_gemm.pack_a(Operand(qa, sa, (1, 128)))  # A packed ahead (PackedA) or inside the call: same bits
+    assert torch.equal(cpu_gemm.mm(packed, Operand(qb, sb, (1, 128)), path_name="c"), c)
     bias = torch.randn(90)
     out = cpu_gemm.mm(Operand(qa, sa, (1, 128)), Operand(qb, sb, (1, 128)), torch.bfloat16, bias=bias, path_name="c")
     assert out.dtype == torch.bfloat16 and torch.equal(out, (c + bias).to(torch.bfloat16))
@@ -166,3 +168,12 @@ def test_compiled_fp8_linear_equals_eager():
     y1 = torch.compile(lin, backend="aot_eager")(x)
     y1.sum().backward()
     assert torch.equal(y0, y1) and torch.equal(g0, x.grad)
+
+
+def test_print_config_names_the_fp8_gemm_and_its_flags(capsys):
+    """`fp8rl-train --print-config` (quickstart prints it) says which executor the FP8 GEMMs take here."""
+    from fp8rl_core.cli import main
+
+    assert main(["--print-config"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("# FP8 GEMM: "))
+    assert line.startswith(f"# FP8 GEMM: {select_executor('cpu')} (on cpu; CPU flags: {cpu_features.kernel_flags()})")
