@@ -19,7 +19,7 @@ cycle on one port, the MAC rate of two FP32 FMAs, so without AMX the path ran at
 here (Sapphire Rapids with AMX hidden: Fp8Linear forward+backward at M = 2048, K = N = 1024, 195 vs
 118 ms). CPUs whose dot products outrun their FP32 FMAs (AMD Zen 4/5, unmeasured) opt in with
 FP8RL_GEMM=cpu_bf16dot after benchmarks/fp8_numerics.py says so. Weights are packed once per
-quantization (`PackedB`, cached on the Fp8Weight).
+quantization (`PackedB`, kept in the weight operand's `cache`: Fp8Weight.kernel_cache).
 """
 from __future__ import annotations
 
@@ -150,28 +150,38 @@ def _check_k(op: Operand) -> None:
         raise ValueError(f"cpu_bf16dot: K-block {op.block[1]} (only {BK} is compiled)")
 
 
+def _layout(op: Operand, row_multiple: int) -> tuple[torch.Tensor, int, int, int, int]:
+    """(the operand's codes [R, K] as uint8, R, K, R and K padded) for a packer (cpu_gemm.c's layouts)."""
+    _check_k(op)
+    codes = _codes(op)
+    rows, k = codes.shape
+    return codes, rows, k, _round_up(max(rows, 1), row_multiple), _round_up(max(k, 1), BK)
+
+
 @torch.compiler.disable  # ctypes reads data pointers: opaque to Dynamo, always eager
 def pack_a(op: Operand, lib: ctypes.CDLL | None = None) -> PackedA:
-    _check_k(op)
-    lib = lib or library()
-    codes = _codes(op)
-    (m, k), (sm, sk) = codes.shape, codes.stride()
-    mp, kp = _round_up(max(m, 1), MR), _round_up(max(k, 1), BK)
+    codes, m, k, mp, kp = _layout(op, MR)
     out = torch.empty(mp, kp, dtype=torch.bfloat16)
-    lib.fp8rl_pack_a(codes.data_ptr(), sm, sk, m, k, mp, kp, out.data_ptr(), torch.get_num_threads())
+    (lib or library()).fp8rl_pack_a(codes.data_ptr(), *codes.stride(), m, k, mp, kp, out.data_ptr(),
+                                    torch.get_num_threads())
     return PackedA(out, op.scale, op.block[0], m)
 
 
 @torch.compiler.disable  # ctypes reads data pointers: opaque to Dynamo, always eager
 def pack_b(op: Operand, lib: ctypes.CDLL | None = None) -> PackedB:
-    _check_k(op)
-    lib = lib or library()
-    codes = _codes(op)
-    (n, k), (sn, sk) = codes.shape, codes.stride()
-    np_, kp = _round_up(max(n, 1), NR), _round_up(max(k, 1), BK)
+    """B packed, or the pack kept in op.cache (a weight's: W and W^T, keyed by shape and strides)."""
+    key = ("cpu_bf16dot.b", tuple(op.q.shape) if op.q is not None else None,
+           op.q.stride() if op.q is not None else None)
+    if op.cache is not None and key in op.cache:
+        return op.cache[key]
+    codes, n, k, np_, kp = _layout(op, NR)
     out = torch.empty(np_ // 16, kp // 2, 16, 2, dtype=torch.bfloat16)
-    lib.fp8rl_pack_b(codes.data_ptr(), sn, sk, n, k, np_, kp, out.data_ptr(), torch.get_num_threads())
-    return PackedB(out, op.scale, op.block[0], n)
+    (lib or library()).fp8rl_pack_b(codes.data_ptr(), *codes.stride(), n, k, np_, kp, out.data_ptr(),
+                                    torch.get_num_threads())
+    packed = PackedB(out, op.scale, op.block[0], n)
+    if op.cache is not None:
+        op.cache[key] = packed
+    return packed
 
 
 @torch.compiler.disable  # ctypes reads data pointers: opaque to Dynamo, always eager
@@ -193,10 +203,8 @@ def mm(a: Operand | PackedA, b: Operand | PackedB, out_dtype: torch.dtype = torc
     if isinstance(a, PackedA):
         (mp, kpa), rows, a_scale, a_block = a.data.shape, a.rows, a.scale, a.block_rows
     else:
-        _check_k(a)
-        codes = _codes(a)
-        rows, kpa = codes.shape[0], _round_up(max(codes.shape[1], 1), BK)
-        mp, a_scale, a_block = _round_up(max(rows, 1), MR), a.scale, a.block[0]
+        codes, rows, k, mp, kpa = _layout(a, MR)
+        a_scale, a_block = a.scale, a.block[0]
     if kpa != kp:
         raise ValueError(f"cpu_bf16dot: padded K differs (A {kpa}, B {kp})")
     direct = out_dtype in (torch.float32, torch.bfloat16)
@@ -210,7 +218,7 @@ def mm(a: Operand | PackedA, b: Operand | PackedB, out_dtype: torch.dtype = torc
         bad = lib.fp8rl_gemm(a.data.data_ptr(), pb.data.data_ptr(), sa, sb, rows, pb.rows, mp, np_, kp, *tail)
     else:
         bad = lib.fp8rl_gemm_codes(codes.data_ptr(), *codes.stride(), pb.data.data_ptr(), sa, sb, rows, pb.rows,
-                                   codes.shape[1], mp, np_, kp, *tail)
+                                   k, mp, np_, kp, *tail)
     del sa_t, sb_t  # the scale tensors the descriptors point into lived until here
     if bad == 2:
         raise ValueError(f"cpu_bf16dot: row blocks {a_block}, {pb.block_rows}: powers of two only")

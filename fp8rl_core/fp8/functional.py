@@ -36,8 +36,8 @@ class Fp8Weight:
 
     dequantized: optional FP32 q * scale [N, K], kept for the emulated executor so that decoding does
     not re-expand the weight at every step (None on hardware executors).
-    packed: the cpu_bf16dot executor's BF16 layouts of W (fprop) and W^T (dgrad), made on first use and
-    kept with the quantization they belong to (cpu_gemm.PackedB; one pack per weight value).
+    kernel_cache: what executors derive from this quantization and keep with it (cpu_bf16dot: the packed
+    BF16 layouts of W for fprop and W^T for dgrad, made on first use): the operands' shared `cache`.
     """
 
     q: torch.Tensor
@@ -46,19 +46,10 @@ class Fp8Weight:
     out_features: int
     in_features: int
     dequantized: torch.Tensor | None = field(default=None, repr=False)
-    packed: dict = field(default_factory=dict, repr=False, compare=False)
+    kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def operand(self) -> Operand:
-        return Operand(self.q, self.scale, WEIGHT_BLOCK, self.dequantized)
-
-    def packed_b(self, transposed: bool = False):
-        """The weight as cpu_bf16dot's B operand: W [N, K] (fprop) or W^T [K, N] (dgrad), packed once."""
-        from fp8rl_core.fp8 import cpu_gemm
-
-        if transposed not in self.packed:
-            op = self.operand()
-            self.packed[transposed] = cpu_gemm.pack_b(op.t() if transposed else op)
-        return self.packed[transposed]
+        return Operand(self.q, self.scale, WEIGHT_BLOCK, self.dequantized, self.kernel_cache)
 
 
 def needs_dequant(device: torch.device) -> bool:
@@ -101,14 +92,7 @@ def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_
 
 def linear_from_operands(x_op: Operand, w: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """y[M, N] = GEMM(x [M, K] in [1,128] blocks, w) + bias in FP32, then cast to out_dtype."""
-    if select_executor(x_op.scale.device) == "cpu_bf16dot":  # the same sum, bias add and cast, in its epilogue
-        from fp8rl_core.fp8 import cpu_gemm
-
-        return cpu_gemm.mm(x_op, w.packed_b(), out_dtype, bias=w.bias)
-    y = scaled_mm(x_op, w.operand(), out_dtype=torch.float32)
-    if w.bias is not None:
-        y += w.bias.to(torch.float32)
-    return y.to(out_dtype)
+    return scaled_mm(x_op, w.operand(), out_dtype=out_dtype, bias=w.bias)
 
 
 def fp8_linear(
@@ -162,4 +146,4 @@ def _bf16dot_cpu_linear(x2: torch.Tensor, w: Fp8Weight, power_of_two: bool) -> t
         return None
     from fp8rl_core.fp8 import cpu_gemm
 
-    return cpu_gemm.mm(Operand(fused[0], fused[1], ACT_BLOCK), w.packed_b(), x2.dtype, bias=w.bias)
+    return cpu_gemm.mm(Operand(fused[0], fused[1], ACT_BLOCK), w.operand(), x2.dtype, bias=w.bias)

@@ -96,18 +96,25 @@ def blockwise_scaled_mm(
     return scaled_mm(a, b, out_dtype=out_dtype, executor=executor)
 
 
-def scaled_mm(a: Operand, b: Operand, *, out_dtype: torch.dtype, executor: str | None = None) -> torch.Tensor:
-    """blockwise_scaled_mm on validated Operands (the entry used inside the package)."""
+def scaled_mm(a: Operand, b: Operand, *, out_dtype: torch.dtype, executor: str | None = None,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """blockwise_scaled_mm on validated Operands (the entry used inside the package), plus an optional
+    bias [N] added to the FP32 result before the one cast to out_dtype (the linear's epilogue: cpu_bf16dot
+    does both inside its kernel, the others here; the same bits either way)."""
     name = select_executor(a.scale.device, executor)
+    if name == "cpu_bf16dot":
+        from fp8rl_core.fp8 import cpu_gemm
+
+        return cpu_gemm.mm(a, b, out_dtype, bias=bias)
     if name in ("emulated", "emulated_blockwise"):
         from fp8rl_core.fp8 import emulate
 
         run = emulate.fold_mm if name == "emulated" else emulate.blockwise_mm
-        return run(a, b, out_dtype)
-    if name == "cpu_bf16dot":
-        from fp8rl_core.fp8 import cpu_gemm
+        c = run(a, b, torch.float32)
+    else:
+        from fp8rl_core.fp8 import cuda_exec  # lazy: CUDA-only code
 
-        return cpu_gemm.mm(a, b, out_dtype)
-    from fp8rl_core.fp8 import cuda_exec  # lazy: CUDA-only code
-
-    return cuda_exec.run(name, a, b, out_dtype)
+        c = cuda_exec.run(name, a, b, torch.float32)
+    if bias is not None:
+        c += bias.to(torch.float32)
+    return c if out_dtype == torch.float32 else c.to(out_dtype)

@@ -51,7 +51,7 @@ from fp8rl_core.fp8.functional import (
     quantize_operand,
     quantize_weight,
 )
-from fp8rl_core.fp8.gemm import scaled_mm, select_executor
+from fp8rl_core.fp8.gemm import scaled_mm
 
 if TYPE_CHECKING:  # a type only: fp8/ does not import the config layer
     from fp8rl_core.config.recipe import Quantization
@@ -76,11 +76,7 @@ def _grad_input(dy2: torch.Tensor, w: Fp8Weight, power_of_two: bool, check_finit
     """dX [M, K] = Q(dY)[1,128] . Q(W) in FP32, cast once to out_dtype: B = W^T [K, N], W's [128,128]
     grid transposed."""
     dy_op = quantize_operand(dy2, ACT_BLOCK, power_of_two=power_of_two, check_finite=check_finite, name="grad_output")
-    if select_executor(dy2.device) == "cpu_bf16dot":  # W^T packed once per weight value; the cast in its epilogue
-        from fp8rl_core.fp8 import cpu_gemm
-
-        return cpu_gemm.mm(dy_op, w.packed_b(transposed=True), out_dtype)
-    return scaled_mm(dy_op, w.operand().t(), out_dtype=torch.float32).to(out_dtype)
+    return scaled_mm(dy_op, w.operand().t(), out_dtype=out_dtype)
 
 
 def _grad_weight(dy2: torch.Tensor, x2: torch.Tensor, power_of_two: bool, check_finite: bool) -> torch.Tensor:

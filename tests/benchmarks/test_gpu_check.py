@@ -140,7 +140,7 @@ def fake_preflight(fail_on: str | None = None):
     calls = []
 
     class PreflightError(RuntimeError):
-        pass
+        """The fake module's own error type, as the real one has."""
 
     def model_shapes(cfg, ms):
         return fake_shapes(cfg.hidden_size, ms)

@@ -67,7 +67,7 @@ class _LLM:
         return [["weights_iterator", "is_checkpoint_format"]]  # _reload_parameters: the worker's reload_weights
 
     def sleep(self, level=1):
-        pass
+        self.slept = level  # what the engine asked for (vLLM frees memory here; nothing to free in a fake)
 
 
 def _fake_vllm_here(rank: int) -> None:

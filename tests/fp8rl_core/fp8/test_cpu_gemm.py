@@ -177,3 +177,16 @@ def test_print_config_names_the_fp8_gemm_and_its_flags(capsys):
     assert main(["--print-config"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("# FP8 GEMM: "))
     assert line.startswith(f"# FP8 GEMM: {select_executor('cpu')} (on cpu; CPU flags: {cpu_features.kernel_flags()})")
+
+
+@needs_lib
+def test_a_weight_is_packed_once_per_quantization_and_orientation():
+    """W (fprop) and W^T (dgrad) are packed once and kept in the weight's kernel cache; an operand without a
+    cache (an activation) is packed afresh."""
+    w = Fp8Linear(256, 384).quantized_weight()
+    fprop, dgrad = cpu_gemm.pack_b(w.operand()), cpu_gemm.pack_b(w.operand().t())
+    assert cpu_gemm.pack_b(w.operand()) is fprop and cpu_gemm.pack_b(w.operand().t()) is dgrad
+    assert fprop is not dgrad and len(w.kernel_cache) == 2
+    bare = Operand(w.q, w.scale, (128, 128))
+    assert cpu_gemm.pack_b(bare) is not cpu_gemm.pack_b(bare)
+    assert torch.equal(cpu_gemm.pack_b(bare).data, fprop.data)
