@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_run_config(args.config, args.overrides)
         _check_world_size(cfg)
+        _check_gemm_pin(cfg)
     except (ConfigError, OSError) as e:
         print(f"fp8rl-train: {e}", file=sys.stderr)
         return 2
@@ -77,7 +78,24 @@ def fp8_gemm_note(cfg) -> str:
 
     device = resolve_device(cfg)
     why = "CUDA" if device.startswith("cuda") else f"CPU flags: {cpu_features.kernel_flags()}"
+    if cfg.fp8.gemm != "auto":
+        why = f"pinned by fp8.gemm; {why}"
     return f"FP8 GEMM: {select_executor(device)} (on {device}; {why})"
+
+
+def _check_gemm_pin(cfg) -> None:
+    """Pin fp8.gemm here, before any work: an executor this device cannot run, or a $FP8RL_GEMM that
+    disagrees with the config (whose value is in the cell id), is refused with the fix."""
+    if cfg.fp8.gemm == "auto":
+        return
+    from fp8rl_core.fp8.gemm import pin_executor
+    from fp8rl_core.loop.builder import resolve_device
+
+    try:
+        pin_executor(cfg.fp8.gemm, resolve_device(cfg))
+    except ValueError as e:
+        key, _, why = str(e).partition(": ")
+        raise ConfigError(key, why) from None
 
 
 def _check_world_size(cfg) -> None:

@@ -69,6 +69,9 @@ class Fp8Spec:
     # block128 and tensorwise: fp32 | pow2; mxfp8: e8m0; nvfp4: e4m3_fp32
     scale_format: str = "auto"
     lm_head: Literal["bf16", "fp8"] = "bf16"  # the LM head stays BF16 (NeMo RL #3650) or is quantized too
+    # the FP8 GEMM executor (fp8rl_core/fp8/gemm.py): auto picks per machine (and may change between
+    # versions); a name pins it, so that a study's numbers do not move with that rule. Enters the cell id when set
+    gemm: Literal["auto", "emulated", "emulated_blockwise", "cpu_bf16dot", "scaled_mm"] = "auto"
 
     def validate(self) -> None:
         from fp8rl_core.fp8.formats import FORMATS  # torch-free registry (the config layer stays torch-free)
@@ -359,7 +362,8 @@ class RunConfig:
         emulation); vLLM and Megatron-Core are wired for block128 from BF16 weights with a BF16 head."""
         recipe, f = RECIPES[self.recipe], self.fp8
         used = [k for k, v, d in (("fp8.format", f.format, "block128"), ("fp8.lm_head", f.lm_head, "bf16"),
-                                  ("fp8.quantize_from", f.quantize_from, "bf16")) if v != d]
+                                  ("fp8.quantize_from", f.quantize_from, "bf16"), ("fp8.gemm", f.gemm, "auto"))
+                if v != d]
         quantizes = {"engines.generation": recipe.fp8_generation, "engines.training": recipe.fp8_training}
         engines = [k for k in not_native if quantizes[k]]
         if used and engines:
@@ -417,13 +421,13 @@ HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatr
                                        "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
                                        "engines.kernels": "distinct", "task.scratchpad": False,
                                        "fp8.format": "block128", "fp8.lm_head": "bf16",
-                                       "train.padding_free": False}
+                                       "train.padding_free": False, "fp8.gemm": "auto"}
 # fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
 # fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
 # engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the
 # bf16 recipe quantizes nothing, so no fp8.* key that came after ids existed enters its id.
 HASH_FP8_TRAINING_ONLY = ("fp8.quantize_from",)
-FP8_ONLY_KEYS = ("fp8.quantize_from", "fp8.format", "fp8.lm_head")
+FP8_ONLY_KEYS = ("fp8.quantize_from", "fp8.format", "fp8.lm_head", "fp8.gemm")
 
 
 def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:

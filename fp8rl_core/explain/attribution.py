@@ -8,7 +8,10 @@ residual stream after the block, before the final norm). Two scorers:
   BF16 autocast, as NativeTrainingEngine runs it), optionally with blockwise-FP8 fake quantization of
   the weights ([128,128]) and/or the input activations ([1,128]) of the linears a recipe quantizes
   (lm_head and the recipe's kept blocks excluded); the GEMM then runs in FP32 on the dequantized
-  values (exact E4M3 products, FP32 accumulation: FP8 GEMM semantics up to summation order);
+  values (exact E4M3 products, FP32 accumulation: FP8 GEMM semantics up to summation order). Q(W)
+  quantizes what the run's engines quantize: the weight rounded to `quantize_dtype` first (BF16 under
+  `fp8.quantize_from: bf16`, the default; fp8rl_core/model/fp8_policy.py `quantize_source`), or the FP32
+  master as stored (None);
 - `GenKernels`: the generation engine (fp8rl_core/engines/native_gen.py) prefill path, in its dtype,
   FP8 or not as built. Hidden states are read by wrapping the engine's `add_rms_norm` (called twice per
   layer; the second call's residual is the layer output) for the duration of a call.
@@ -51,7 +54,8 @@ class _FakeQuantLinear(nn.Module):
     BF16), so switching one Q on changes exactly one source of error. Output in x's dtype.
     """
 
-    def __init__(self, linear: nn.Linear, weights: bool, activations: bool, power_of_two: bool) -> None:
+    def __init__(self, linear: nn.Linear, weights: bool, activations: bool, power_of_two: bool,
+                 quantize_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         from fp8rl_core.fp8 import dequantize_blockwise, quantize_blockwise
 
@@ -59,7 +63,10 @@ class _FakeQuantLinear(nn.Module):
         self._q, self._dq = quantize_blockwise, dequantize_blockwise
         w = linear.weight.detach()
         if weights:
-            q, s = quantize_blockwise(w.float(), (128, 128), power_of_two=power_of_two)
+            # the run's Q(W) source: its BF16 rounding (quantize_from bf16), not the FP32 master, else this
+            # variant quantizes other weights than both engines do (block scales and codes move)
+            src = w if quantize_dtype is None else w.to(quantize_dtype)
+            q, s = quantize_blockwise(src.float(), (128, 128), power_of_two=power_of_two)
             self.w = dequantize_blockwise(q, s, (128, 128))
         else:
             self.w = w.to(torch.bfloat16).float()
@@ -79,29 +86,32 @@ class _FakeQuantLinear(nn.Module):
 
 
 def fake_quantize(model: nn.Module, exclude: tuple[str, ...], weights: bool, activations: bool,
-                  power_of_two: bool = False) -> list[str]:
-    """Swap, in place, every nn.Linear not matching `exclude` (fnmatch) for a _FakeQuantLinear."""
+                  power_of_two: bool = False, quantize_dtype: torch.dtype | None = None) -> list[str]:
+    """Swap, in place, every nn.Linear not matching `exclude` (fnmatch) for a _FakeQuantLinear
+    (quantize_dtype: what Q(W) rounds the weight to first, None: as stored)."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)
              and not any(fnmatch.fnmatch(n, pat) for pat in exclude)]
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, _FakeQuantLinear(getattr(parent, leaf), weights, activations, power_of_two))
+        setattr(parent, leaf, _FakeQuantLinear(getattr(parent, leaf), weights, activations, power_of_two,
+                                                    quantize_dtype))
     return names
 
 
 class TrainKernels:
     """The training engine's kernels on a private copy of `model` (FP32 masters; BF16 autocast unless
-    compute_dtype is FP32), with optional FP8 fake quantization (see module docstring)."""
+    compute_dtype is FP32), with optional FP8 fake quantization (see module docstring; quantize_dtype:
+    the dtype Q(W) rounds a weight to first, as the run's `fp8.quantize_from` says, None: the master)."""
 
     def __init__(self, model: nn.Module, name: str, *, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, quant_weights: bool = False,
                  quant_activations: bool = False, exclude: tuple[str, ...] = ("lm_head",),
-                 power_of_two: bool = False) -> None:
+                 power_of_two: bool = False, quantize_dtype: torch.dtype | None = None) -> None:
         self.name, self.temperature, self.compute_dtype = name, temperature, compute_dtype
         self.model = copy.deepcopy(model).float().eval()
         if quant_weights or quant_activations:
-            fake_quantize(self.model, exclude, quant_weights, quant_activations, power_of_two)
+            fake_quantize(self.model, exclude, quant_weights, quant_activations, power_of_two, quantize_dtype)
         self._hidden: list[torch.Tensor] = []
         for layer in self.model.model.layers:
             # a DecoderLayer returns the residual stream [1, L, H] (one row per call): keep [L, H]

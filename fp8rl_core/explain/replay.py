@@ -35,7 +35,7 @@ from fp8rl_core.io import checkpoint as ckpt
 from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
 from fp8rl_core.model import load_pretrained
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.model.fp8_policy import apply_fp8
+from fp8rl_core.model.fp8_policy import apply_fp8, quantize_source
 from fp8rl_core.model.llama import CausalLM
 from fp8rl_core.tasks import make_task
 
@@ -103,11 +103,12 @@ def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: Any,
     both = resolve_recipe("fp8_e2e", cfg.fp8)  # the run's FP8 knobs on both sides: what the variants quantize
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     excl, p2 = both.fp8_exclusions(model_config.num_hidden_layers), both.training.power_of_two_scales
+    source = quantize_source(both.training, dtype)  # what the run's engines round a weight to before Q(W)
     ref = TrainKernels(model, "train BF16", temperature=temp, compute_dtype=dtype)
 
     def train(name: str, w: bool, a: bool) -> TrainKernels:
         return TrainKernels(model, name, temperature=temp, compute_dtype=dtype, quant_weights=w, quant_activations=a,
-                            exclude=excl, power_of_two=p2)
+                            exclude=excl, power_of_two=p2, quantize_dtype=source)
 
     def gen(fp8: bool) -> GenKernels:
         engine = NativeGenerationEngine(model_config, recipe=both if fp8 else both.in_bf16(), dtype=dtype,

@@ -11,6 +11,8 @@ quantized along K with the same K-block (128); A's blocks are (1, 128) (or (128,
   "cpu_bf16dot"         DeepSeek's order on the CPU's BF16 dot products (AMX: the CPU default where
                         present; AVX512_BF16 on request, see cpu_gemm.py)
   "scaled_mm"           torch blockwise scaled_mm on Hopper (SM90, cuBLAS >= 12.9), cuda_exec.py
+A run pins one with its config (`fp8.gemm`, `pin_executor`), so that its numbers do not move when the
+automatic choice changes; that pin and $FP8RL_GEMM must agree.
 (There is no "te" executor: Transformer Engine runs FP8 end to end inside the Megatron-Core backend.)
 `executor_flags()`: what a run can log about the GEMMs so far (a BF16-output fallback, cuda_exec.py).
 """
@@ -25,11 +27,33 @@ from fp8rl_core.fp8.quant import FP8_DTYPE, Block, check_block, scale_shape
 
 EXECUTORS = ("emulated", "emulated_blockwise", "cpu_bf16dot", "scaled_mm")
 ENV_VAR = "FP8RL_GEMM"
+_pinned: str | None = None  # the run's `fp8.gemm` (pin_executor); None: $FP8RL_GEMM, else automatic
+
+
+def pin_executor(name: str | None, device: torch.device | str = "cpu") -> None:
+    """Pin this process's executor (a run's `fp8.gemm`; None or "auto": unpin). Raises ValueError for an
+    unknown name, one that cannot run on `device`, or a $FP8RL_GEMM that says otherwise: the pin is part
+    of the run's cell id, so a silently different executor would put wrong numbers under that id."""
+    global _pinned
+    if name in (None, "auto"):
+        _pinned = None
+        return
+    if name not in EXECUTORS:
+        raise ValueError(f"fp8.gemm: unknown executor {name!r}; valid: auto, {', '.join(EXECUTORS)}")
+    env = os.environ.get(ENV_VAR)
+    if env and env != name:
+        raise ValueError(f"fp8.gemm: the run config pins {name!r} but ${ENV_VAR}={env!r}; unset {ENV_VAR} or "
+                         f"set fp8.gemm={env} (the config's value is part of the cell id)")
+    if name == "scaled_mm" and torch.device(device).type != "cuda":
+        raise ValueError(f"fp8.gemm: 'scaled_mm' runs on a CUDA device (Hopper) only, this run is on {device}; "
+                         f"valid here: auto, {', '.join(e for e in EXECUTORS if e != 'scaled_mm')}")
+    _pinned = name
 
 
 def select_executor(device: torch.device | str, override: str | None = None) -> str:
-    """The executor for a GEMM on `device`: override > $FP8RL_GEMM > the best one available there."""
-    choice = override or os.environ.get(ENV_VAR) or None
+    """The executor for a GEMM on `device`: override > the pinned one (fp8.gemm) > $FP8RL_GEMM > the best
+    one available there."""
+    choice = override or _pinned or os.environ.get(ENV_VAR) or None
     if choice is not None:
         if choice not in EXECUTORS:
             raise ValueError(f"{ENV_VAR}/executor: unknown executor {choice!r}; valid: {', '.join(EXECUTORS)}")

@@ -28,7 +28,7 @@ from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
 from fp8rl_core.fp8 import preflight
-from fp8rl_core.fp8.gemm import select_executor
+from fp8rl_core.fp8.gemm import pin_executor, select_executor
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.warmstart import warm_start
 from fp8rl_core.model import bf16, load_pretrained
@@ -289,6 +289,7 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     check_data_parallel(cfg, mesh)
     if mesh.distributed and device == "cuda":
         device = f"cuda:{mesh.local_rank}"
+    pin_executor(cfg.fp8.gemm, device)  # before the preflight and any engine: every FP8 GEMM of the run
     tokenizer = load_tokenizer(cfg)
     task = make_task(cfg.task)
     # the warm-start cache is file-locked: one rank trains it, the others wait and read it

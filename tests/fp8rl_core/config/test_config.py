@@ -165,3 +165,23 @@ def test_scale_formats_refuse_every_invalid_pair():
         load_run_config(None, ["fp8.format=mxfp8", "fp8.power_of_two_scales=true"])
     with pytest.raises(ConfigError, match="fp8.format: unknown format 'fp6'; valid: block128"):
         load_run_config(None, ["fp8.format=fp6"])
+
+
+def test_fp8_gemm_pin_enters_the_id_of_fp8_recipes_only_when_set():
+    """fp8.gemm (issue 29): auto keeps every old id; a pinned executor is its own cell for the recipes that
+    quantize, and never enters the bf16 recipe's id (it runs no FP8 GEMM). Its choices are gemm.EXECUTORS."""
+    import typing
+
+    from fp8rl_core.config.run_config import Fp8Spec
+    from fp8rl_core.fp8.gemm import EXECUTORS
+
+    assert typing.get_args(typing.get_type_hints(Fp8Spec)["gemm"]) == ("auto", *EXECUTORS)
+    for recipe in ("fp8_gen", "fp8_e2e"):
+        h = lambda *o, r=recipe: run_config_hash(load_run_config(None, [f"recipe={r}", *o]))  # noqa: E731
+        assert h("fp8.gemm=auto") == h()
+        assert len({h(), h("fp8.gemm=emulated"), h("fp8.gemm=emulated_blockwise")}) == 3
+        assert "gemm" not in hashed_dict(load_run_config(None, [f"recipe={recipe}"]))["fp8"]
+    bf16 = lambda *o: run_config_hash(load_run_config(None, ["recipe=bf16", *o]))  # noqa: E731
+    assert bf16() == bf16("fp8.gemm=emulated")
+    with pytest.raises(ConfigError, match="fp8.gemm: 'te' is not allowed; valid: auto, emulated"):
+        load_run_config(None, ["fp8.gemm=te"])

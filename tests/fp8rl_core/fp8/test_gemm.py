@@ -162,3 +162,37 @@ def test_scaled_mm_executor_is_selected_on_hopper():
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("blockwise scaled_mm is SM90-only")
     assert select_executor("cuda") == "scaled_mm"
+
+
+@pytest.fixture
+def unpinned():
+    from fp8rl_core.fp8.gemm import pin_executor
+
+    yield pin_executor
+    pin_executor(None)  # the pin is process-wide: leave none behind for other tests
+
+
+def test_a_pinned_executor_wins_over_the_automatic_choice(monkeypatch, unpinned):
+    monkeypatch.delenv("FP8RL_GEMM", raising=False)
+    unpinned("emulated_blockwise")
+    assert select_executor("cpu") == "emulated_blockwise"
+    assert select_executor("cpu", "emulated") == "emulated"  # an explicit per-call override still wins
+    qa, sa, qb, sb = make_operands(8, 16, 256, (128, 128))
+    pinned = blockwise_scaled_mm(qa, sa, qb, sb, block_a=(1, 128), block_b=(128, 128))
+    literal = blockwise_scaled_mm(qa, sa, qb, sb, block_a=(1, 128), block_b=(128, 128), executor="emulated_blockwise")
+    assert torch.equal(pinned, literal)
+    unpinned("auto")
+    monkeypatch.setenv("FP8RL_CPU_FLAGS_OFF", "amx_bf16 avx512_bf16")
+    assert select_executor("cpu") == "emulated"
+
+
+def test_a_pin_refuses_what_it_cannot_honour(monkeypatch, unpinned):
+    monkeypatch.setenv("FP8RL_GEMM", "emulated")
+    with pytest.raises(ValueError, match=r"pins 'emulated_blockwise' but \$FP8RL_GEMM='emulated'"):
+        unpinned("emulated_blockwise")
+    unpinned("emulated")  # agreeing with the environment is fine
+    monkeypatch.delenv("FP8RL_GEMM")
+    with pytest.raises(ValueError, match="'scaled_mm' runs on a CUDA device"):
+        unpinned("scaled_mm", "cpu")
+    with pytest.raises(ValueError, match="unknown executor 'bogus'"):
+        unpinned("bogus")
