@@ -49,3 +49,22 @@ def token_mult_prob_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tens
     # sum / n (not .mean()): the same float64 operations as the diagnostics catalogue, so both report
     # the same bits (fp8rl_core/diagnostics/catalogue.py lists the other frameworks' metrics)
     return total / n if n else math.nan
+
+
+def sequence_mult_prob_error(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
+                             mask: torch.Tensor) -> torch.Tensor:
+    """Float64[B]: each sequence's own token_mult_prob_error, e_b = (1/n_b) sum_{t: mask[b, t]} exp(|train - gen|).
+
+    Shapes as token_mult_prob_error's (train_logprobs, gen_logprobs, mask all [B, T]); n_b is row b's count
+    of valid tokens. nan where n_b = 0 (no data); inf/nan where a valid token's log-prob is non-finite. What
+    the mismatch guard's `mask` action compares per sequence (fp8rl_core/engines/guard.py).
+    """
+    if train_logprobs.shape != gen_logprobs.shape or train_logprobs.shape != mask.shape or mask.dim() != 2:
+        raise ValueError(f"train_logprobs {tuple(train_logprobs.shape)}, gen_logprobs "
+                         f"{tuple(gen_logprobs.shape)} and mask {tuple(mask.shape)} must have one [B, T] shape")
+    m = mask.bool()
+    d = train_logprobs.detach().double() - gen_logprobs.detach().double()
+    # zero off the mask before exp: a NaN there (padding) must not reach the row's sum
+    terms = torch.where(m, mult_prob_error_terms(torch.where(m, d, torch.zeros_like(d)).abs()), torch.zeros_like(d))
+    n = m.sum(dim=-1)
+    return torch.where(n > 0, terms.sum(dim=-1) / n.clamp(min=1), torch.full_like(terms[:, 0], math.nan))

@@ -20,6 +20,7 @@ from fp8rl_core.config.run_config import (
     ISVariant,
     LossSpec,
     MegatronSpec,
+    MismatchGuardSpec,
     ModelSpec,
     OptimSpec,
     ParallelSpec,
@@ -42,8 +43,8 @@ from fp8rl_core.config.schema import ConfigError
 
 __all__ = [
     "HASH_EXCLUDE", "HASH_FP8_TRAINING_ONLY", "HASH_IF_NOT_DEFAULT", "ConfigError", "DiagnosticsSpec", "EngineSpec",
-    "Fp8Spec", "ISVariant", "LossSpec", "MegatronSpec", "ModelSpec", "OptimSpec", "ParallelSpec", "RolloutSpec",
-    "RunConfig", "TaskSpec", "TrackingSpec", "TrainSpec", "VllmSpec", "WarmStartSpec", "apply_overrides",
+    "Fp8Spec", "ISVariant", "LossSpec", "MegatronSpec", "MismatchGuardSpec", "ModelSpec", "OptimSpec", "ParallelSpec",
+    "RolloutSpec", "RunConfig", "TaskSpec", "TrackingSpec", "TrainSpec", "VllmSpec", "WarmStartSpec", "apply_overrides",
     "hashed_dict", "load_run_config", "recipe_of", "RANGES", "RECIPES", "Quantization", "Recipe", "resolve_recipe",
     "run_config_from_dict", "run_config_hash", "strip_unhashed",
 ]

@@ -195,6 +195,34 @@ class OptimSpec:
             fail("betas", f"expected 2 values, got {len(self.betas)}", "[beta1, beta2], e.g. [0.9, 0.999]")
 
 
+GuardAction = Literal["none", "skip", "mask"]
+
+
+@dataclass
+class MismatchGuardSpec:
+    """An opt-in guard of each optimizer step against mismatch and gradient spikes (native training engine;
+    fp8rl_core/engines/guard.py). Off by default; enters the cell id only when it can act. While it can act, every
+    step logs guard_skipped, guard_masked_fraction and what it compared (docs/design.md, "The mismatch guard")."""
+
+    # none: the mismatch does not guard (the default). skip: a step whose token_mult_prob_error is above
+    # max_mismatch computes and logs its loss and gradient but does not update. mask: each sequence whose own
+    # token_mult_prob_error (over its response tokens) is above max_mismatch leaves the loss and its token
+    # count (rejection sampling, as verl's); a step with every sequence masked does not update
+    action: GuardAction = "none"
+    max_mismatch: float = 1.1  # skip / mask: the band's upper end (token_mult_prob_error is >= 1; 1 is a perfect match)
+    # > 0: a step whose global gradient norm before clipping is above this does not update (with any action,
+    # none included: the gradient-norm guard alone); <= 0: off
+    max_grad_norm: float = 0.0
+
+    def validate(self) -> None:
+        check_ranges(self, RANGES, "train.mismatch_guard")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the guard can act at all (the mismatch with skip or mask, or the gradient norm)."""
+        return self.action != "none" or self.max_grad_norm > 0
+
+
 @dataclass
 class TrainSpec:
     steps: int = 60  # RL steps (rollout batches)
@@ -210,6 +238,8 @@ class TrainSpec:
     # use_remove_padding; fp8rl_core/model/packing.py): same log-probs, fewer FLOPs; it changes which
     # tokens share an FP8 wgrad block and the GEMM shapes, so it enters the cell id when true. Native engine only
     padding_free: bool = False
+    # skip or mask steps and sequences whose mismatch (or gradient norm) is out of band; off by default
+    mismatch_guard: MismatchGuardSpec = field(default_factory=MismatchGuardSpec)
 
     def validate(self) -> None:
         check_ranges(self, RANGES, "train")
@@ -351,11 +381,21 @@ class RunConfig:
         if self.train.padding_free and self.engines.training != "native":
             fail("train.padding_free", f"runs in the native training engine only; engines.training is "
                                        f"{self.engines.training!r}", "false, or engines.training native")
+        self._check_guard()
         if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
             fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
                                 "BF16/FP16 activations only (fp32 is refused)",
                  "bf16, or engines.generation=native, or a recipe without FP8 generation (bf16)")
 
+    def _check_guard(self) -> None:
+        """The guard lives in the native training engine: Megatron-Core's optimizer steps inside its own
+        distributed optimizer, whose gradient norm and step the guard cannot reach."""
+        g = self.train.mismatch_guard
+        if g.enabled and self.engines.training != "native":
+            key = "action" if g.action != "none" else "max_grad_norm"
+            fail(f"train.mismatch_guard.{key}", f"the guard runs in the native training engine only; "
+                                                f"engines.training is {self.engines.training!r}",
+                 "action none and max_grad_norm <= 0, or engines.training native")
 
     def _check_low_precision_knobs(self, not_native: list[str]) -> None:
         """The formats, an FP8 LM head and master-sourced quantization run in the native engines (exact
@@ -397,6 +437,9 @@ RANGES: dict[str, Range] = {
     "train.steps": at_least(1), "train.val_every": at_least(1), "train.val_samples": at_least(0),
     "train.checkpoint_every": at_least(1), "train.micro_batch_size": at_least(0),
     "train.logprob_batch_size": at_least(0),
+    "train.mismatch_guard.max_mismatch": Range(1, open_low=True, why="token_mult_prob_error >= 1: a band ending "
+                                               "at 1 or below would catch every step or sequence with any mismatch"),
+    "train.mismatch_guard.max_grad_norm": Range(),  # <= 0: off
     "engines.vllm.max_model_len": Range(2, why="tokens: the longest prompt + max_new_tokens"),
     "engines.vllm.gpu_memory_utilization": Range(0, 1, open_low=True),
     "engines.vllm.kv_cache_memory_bytes": at_least(1), "engines.vllm.max_num_seqs": at_least(1),
@@ -421,7 +464,8 @@ HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatr
                                        "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
                                        "engines.kernels": "distinct", "task.scratchpad": False,
                                        "fp8.format": "block128", "fp8.lm_head": "bf16",
-                                       "train.padding_free": False, "fp8.gemm": "auto"}
+                                       "train.padding_free": False, "fp8.gemm": "auto",
+                                       "train.mismatch_guard": MismatchGuardSpec}
 # fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
 # fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
 # engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the
@@ -476,6 +520,7 @@ def strip_unhashed(data: dict[str, Any]) -> dict[str, Any]:
     recipe = RECIPES.get(data.get("recipe", ""))
     drop = [*HASH_EXCLUDE, "fp8.scale_format"]  # folded into fp8.power_of_two_scales (_canonical_scales)
     _canonical_scales(data)
+    _canonical_guard(data)
     if recipe is not None and not recipe.fp8_generation:
         drop += FP8_ONLY_KEYS
     elif recipe is not None and not recipe.fp8_training:
@@ -502,6 +547,22 @@ def _canonical_scales(data: dict[str, Any]) -> None:
     pow2 = fp8.get("scale_format") == "pow2" or (fp8.get("scale_format") == "auto" and fp8.get("power_of_two_scales"))
     if bool(fp8.get("power_of_two_scales")) != bool(pow2):
         data["fp8"] = {**fp8, "power_of_two_scales": bool(pow2)}
+
+
+def _canonical_guard(data: dict[str, Any]) -> None:
+    """One spelling per numerics of train.mismatch_guard: a part that cannot act takes its default (max_mismatch
+    under action none; a max_grad_norm <= 0 is 0), so a guard that is off hashes as the default (and leaves
+    the id) however it is written. Copy-on-write like _drop."""
+    guard = get_dotted(data, "train.mismatch_guard", None)
+    if not isinstance(guard, dict):
+        return
+    fixed = dict(guard)
+    if fixed.get("action") == "none":
+        fixed["max_mismatch"] = MismatchGuardSpec.max_mismatch
+    if isinstance(fixed.get("max_grad_norm"), (int, float)) and fixed["max_grad_norm"] <= 0:
+        fixed["max_grad_norm"] = MismatchGuardSpec.max_grad_norm
+    if fixed != guard:
+        data["train"] = {**data["train"], "mismatch_guard": fixed}
 
 
 def _drop(data: dict[str, Any], key: str) -> None:

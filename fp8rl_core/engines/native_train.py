@@ -32,12 +32,13 @@ import torch
 import torch.nn.functional as F
 
 from fp8rl_core.algorithms import grpo
-from fp8rl_core.config import LossSpec, OptimSpec
+from fp8rl_core.config import LossSpec, MismatchGuardSpec, OptimSpec
 from fp8rl_core.config.recipe import BF16, Recipe
 from fp8rl_core.distributed import parallel
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.distributed.parallel import GatheredWeights, shard_model
 from fp8rl_core.engines.base import TrainBatch
+from fp8rl_core.engines.guard import StepGuard
 from fp8rl_core.model.bf16 import emulate_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
 from fp8rl_core.model.llama import CausalLM
@@ -150,6 +151,8 @@ class NativeTrainingEngine:
                   weight copy per rank (which every forward reaches anyway).
     padding_free: every forward (log-prob, training and SFT passes) runs on the batch's real tokens only
                   (model/packing.py; `train.padding_free`).
+    guard:        `train.mismatch_guard` (engines/guard.py): skip the update or mask sequences on a mismatch
+                  or gradient-norm spike; None or a guard that cannot act: off (no extra work, no metrics).
     One `train_step` is one optimizer step; the caller splits a rollout batch into micro-steps.
     """
 
@@ -158,7 +161,8 @@ class NativeTrainingEngine:
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
-                 reshard_after_forward: bool = True, emulate_bf16: bool = False, padding_free: bool = False) -> None:
+                 reshard_after_forward: bool = True, emulate_bf16: bool = False, padding_free: bool = False,
+                 guard: MismatchGuardSpec | None = None) -> None:
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -170,6 +174,7 @@ class NativeTrainingEngine:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         self.model, self.temperature, self.compute_dtype = model, float(temperature), compute_dtype
         self.padding_free = bool(padding_free)
+        self.guard_spec = guard if guard is not None and guard.enabled else None
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
         self.fp8_modules = apply_fp8(model, recipe, compute_dtype) if recipe.fp8_training else []
         self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
@@ -206,7 +211,8 @@ class NativeTrainingEngine:
         Runs `logprob_batch_size` sequences per forward (rows are independent: same values)."""
         return _chunked_logprobs(self._forward, batch, self.temperature, self.logprob_batch_size)
 
-    def train_step(self, batch: TrainBatch, importance: Importance | None = None) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, importance: Importance | None = None,
+                   step_mismatch: float | None = None) -> dict[str, float]:
         """One AdamW step on grpo.policy_loss of `batch` (this rank's rows of the global batch).
 
         Needs batch.advantages; batch.old_logprobs None means on-policy: the training forward's own
@@ -214,29 +220,40 @@ class NativeTrainingEngine:
         gradient), and then `importance(sub_batch)` gives the IS weights from them when is_weights is
         None. Afterwards `last_old_logprobs` / `last_is_weights` hold the [B, T] ones the step used
         (0 off response_mask; the batch itself is not modified).
-        Raises FloatingPointError, without stepping, on a non-finite loss or grad norm.
+        With the guard on (engines/guard.py) it may leave sequences out of the loss or skip the update (the
+        loss and grad norm are still computed and returned, with the guard_* metrics); step_mismatch: the
+        rollout step's global token_mult_prob_error when this batch is one of its optimizer steps (None:
+        the guard measures this batch).
+        Raises FloatingPointError, without stepping, on a non-finite loss or grad norm (guard or not).
         """
         if batch.advantages is None:
             raise ValueError("batch.advantages: required by train_step (Float32[B, T])")
         t0 = time.perf_counter()
         work = _rows(batch, slice(None))  # a shallow copy: the forward fills its old_logprobs / is_weights
         chunks = row_chunks(batch.input_ids.shape[0], self.micro_batch_size)
+        guard = StepGuard(self.guard_spec, self.mesh, step_mismatch) if self.guard_spec is not None else None
         if len(chunks) == 1 and not self.mesh.distributed:
-            (_, mask), entropy, loss, metrics = self._loss(work, importance, None)
-            grad_norm = self._backward_and_step(loss)
+            # the loss's own token count is the kept one here: policy_loss divides by the loss mask's sum
+            (_, mask), entropy, loss, metrics = self._loss(work, importance, None, guard)
+            if guard is not None:
+                guard.reduce()
+            grad_norm = self._backward_and_step(loss, guard)
             metrics = {**metrics, "loss": float(loss.detach()), "entropy": masked_mean(entropy, mask)}
         else:
-            metrics, grad_norm = self._accumulated_step(work, chunks, importance)
+            metrics, grad_norm = self._accumulated_step(work, chunks, importance, guard)
         self.last_old_logprobs, self.last_is_weights = work.old_logprobs, work.is_weights
         n_tokens = int(batch.attention_mask.sum()) if batch.attention_mask is not None else batch.input_ids.numel()
         n_tokens = int(self.mesh.all_reduce_sum([n_tokens])[0])
         return {**metrics, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-                "train_tokens_per_s": n_tokens / max(time.perf_counter() - t0, 1e-9)}
+                "train_tokens_per_s": n_tokens / max(time.perf_counter() - t0, 1e-9),
+                **(guard.metrics() if guard is not None else {})}
 
-    def _loss(self, batch: TrainBatch, importance: Importance | None, num_tokens: float | None):
-        """Forward + grpo.policy_loss of one micro-batch -> ((lp, mask), entropy, loss, metrics).
+    def _loss(self, batch: TrainBatch, importance: Importance | None, num_tokens: float | None,
+              guard: StepGuard | None = None):
+        """Forward + grpo.policy_loss of one micro-batch -> ((lp, loss mask), entropy, loss, metrics).
 
-        Fills batch.old_logprobs (and is_weights through `importance`) from the forward when unset.
+        Fills batch.old_logprobs (and is_weights through `importance`) from the forward when unset. The loss
+        mask is the response mask, less the sequences the guard leaves out (action mask).
         """
         mask = batch.response_mask.to(self.device).bool()
         lp, entropy = self._forward(batch.input_ids, batch.attention_mask, self.temperature, with_entropy=True)
@@ -245,6 +262,8 @@ class NativeTrainingEngine:
             batch.old_logprobs = torch.where(mask, lp.detach(), torch.zeros_like(lp))
             if importance is not None and batch.is_weights is None:
                 batch.is_weights = importance(batch)
+        if guard is not None:  # the old log-probs are known from here on (given, or this forward's)
+            mask = guard.observe(batch, mask)
         s = self.loss_spec
         loss, metrics = grpo.policy_loss(lp, dev(batch.old_logprobs), dev(batch.advantages), mask,
                                          dev(batch.is_weights), clip_low=s.clip_low, clip_high=s.clip_high,
@@ -252,14 +271,17 @@ class NativeTrainingEngine:
                                          kl_clamp=s.kl_clamp, num_tokens=num_tokens)
         return (lp, mask), entropy, loss, metrics
 
-    def _accumulated_step(self, batch: TrainBatch, chunks: list[slice], importance: Importance | None
-                          ) -> tuple[dict[str, float], float]:
+    def _accumulated_step(self, batch: TrainBatch, chunks: list[slice], importance: Importance | None,
+                          guard: StepGuard | None = None) -> tuple[dict[str, float], float]:
         """Micro-batches (and ranks) -> one optimizer step on the global token mean; global metrics.
 
         L = sum_ranks sum_chunks (sum of the chunk's per-token terms) / n_global, n_global the
         all-reduced count of valid tokens; gradients accumulate over chunks and are summed over ranks
         (FSDP2 reduce-scatter per backward, divide factor 1). Every rank runs the same number of
         chunks (equal local batch sizes), so the collectives of forward/backward pair up.
+        With the guard masking sequences, n_global is known only after every chunk's forward (on the reuse
+        path the mismatch comes from those forwards): the chunks divide by every response token, and
+        gradients and loss metrics are rescaled by n_global / n_kept before clipping (_rescale).
         """
         n_local = int(batch.response_mask.sum())
         n_global = float(self.mesh.all_reduce_sum([n_local])[0])
@@ -270,7 +292,7 @@ class NativeTrainingEngine:
         for i, rows in enumerate(chunks):
             self._sync_gradients(last=i == len(chunks) - 1)
             sub = _rows(batch, rows)
-            (_, mask), entropy, loss, m = self._loss(sub, importance, max(n_global, 1.0))
+            (_, mask), entropy, loss, m = self._loss(sub, importance, max(n_global, 1.0), guard)
             n = float(mask.sum())
             for k in _SHARE:
                 sums[k] += m[k]
@@ -287,13 +309,27 @@ class NativeTrainingEngine:
             loss.backward()
         _fill_from_chunks(batch, olds, weights)
         red = self.mesh.all_reduce_sum([sums[k] for k in _SHARE + _MEAN] + [bad])
+        n_loss = guard.reduce() if guard is not None else n_global  # the tokens the loss keeps (global)
         out = {k: float(v) for k, v in zip(_SHARE, red[:len(_SHARE)])}
-        out.update({k: float(v) / n_global if n_global else 0.0 for k, v in zip(_MEAN, red[len(_SHARE):-1])})
+        out.update({k: float(v) / n_loss if n_loss else 0.0 for k, v in zip(_MEAN, red[len(_SHARE):-1])})
         out["ratio_max"] = float(self.mesh.all_reduce_max([ratio_max])[0])
         if red[-1] > 0:
             self.optimizer.zero_grad(set_to_none=True)
             self._raise_non_finite_loss(out["loss"])
-        return out, self._clip_and_step(out["loss"])
+        if 0 < n_loss < n_global:
+            self._rescale(out, n_global / n_loss)
+        return out, self._clip_and_step(out["loss"], guard)
+
+    def _rescale(self, out: dict[str, float], factor: float) -> None:
+        """Masked sequences: the chunks' losses were sums / n_global (every response token); the token mean
+        over the kept ones is factor = n_global / n_kept times that, for the accumulated gradients (sharded
+        or not: a pointwise scale) and the summed loss metrics alike. Not taken when nothing is masked, so
+        a step inside the band is the unguarded step bit for bit."""
+        for k in _SHARE:
+            out[k] *= factor
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def _sync_gradients(self, last: bool) -> None:
         """Before each micro-batch's backward. grad_reduce "step": FSDP2 skips the reduce-scatter of every
@@ -319,19 +355,20 @@ class NativeTrainingEngine:
         grad_norm = self._backward_and_step(loss)
         return {"sft_loss": float(loss.detach()), "grad_norm": grad_norm, "tokens": float(mask.sum())}
 
-    def _backward_and_step(self, loss: torch.Tensor) -> float:
+    def _backward_and_step(self, loss: torch.Tensor, guard: StepGuard | None = None) -> float:
         """backward, clip (report the pre-clip norm), step; raise before stepping if anything is non-finite."""
         self.optimizer.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):
             self._raise_non_finite_loss(float(loss.detach()))
         loss.backward()
-        return self._clip_and_step(float(loss.detach()))
+        return self._clip_and_step(float(loss.detach()), guard)
 
     def _raise_non_finite_loss(self, value: float) -> None:
         raise FloatingPointError(f"train step {self.step + 1}: non-finite loss {value}; the optimizer did not step")
 
-    def _clip_and_step(self, loss: float) -> float:
-        """Clip the accumulated gradients to grad_clip (global norm over all shards), step; returns the norm."""
+    def _clip_and_step(self, loss: float, guard: StepGuard | None = None) -> float:
+        """Clip the accumulated gradients to grad_clip (global norm over all shards), step; returns the norm.
+        A guard that skips (its verdict is global) leaves the weights, AdamW's state and self.step alone."""
         clip = self.optim_spec.grad_clip if self.optim_spec.grad_clip > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor when sharded
@@ -339,10 +376,13 @@ class NativeTrainingEngine:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"train step {self.step + 1}: non-finite gradient norm {norm} "
                                      f"(loss {loss:.6g}); the optimizer did not step")
-        self.optimizer.step()
+        if guard is None or not guard.skips(norm):
+            self.optimizer.step()
+            self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        if self.mesh.distributed:  # a sharded step's cached Q(W) (reshard_after_forward false) is stale: free it
+        # a sharded step's cached Q(W) (reshard_after_forward false) is stale, or after a skip still holds the
+        # gathered weights' quantization (re-gathered at the next forward anyway): free it
+        if self.mesh.distributed:
             for name in self.fp8_modules:
                 self.model.get_submodule(name).invalidate()
         return norm

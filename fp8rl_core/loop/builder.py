@@ -115,7 +115,8 @@ def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = 
                                 activation_checkpointing=cfg.parallel.activation_checkpointing,
                                 grad_reduce=cfg.parallel.grad_reduce,
                                 reshard_after_forward=cfg.parallel.reshard_after_forward,
-                                emulate_bf16=emulates_bf16(cfg, device), padding_free=cfg.train.padding_free)
+                                emulate_bf16=emulates_bf16(cfg, device), padding_free=cfg.train.padding_free,
+                                guard=cfg.train.mismatch_guard)
 
 
 def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:

@@ -13,6 +13,7 @@ writes diagnostics; all ranks checkpoint. The world size is an MLflow tag (`worl
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from fp8rl_core.config.schema import flatten
 from fp8rl_core.diagnostics.tokens import after_step
 from fp8rl_core.distributed import shutdown
 from fp8rl_core.engines import base as engines
+from fp8rl_core.engines.guard import guard_note
 from fp8rl_core.fp8.preflight import PreflightError, metrics_from_params
 from fp8rl_core.fp8.quant import check_nonfinite
 from fp8rl_core.io import checkpoint as ckpt
@@ -36,6 +38,8 @@ from fp8rl_core.loop.step import grpo_step, sampling_params
 from fp8rl_core.tracking import M_MISMATCH, M_REWARD, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE, TAG_WORLD_SIZE
 from fp8rl_core.tracking.lifecycle import PAUSED, run_status
 from fp8rl_core.tracking.sink import NullSink, make_run_sink, run_params
+
+log = logging.getLogger(__name__)
 
 
 class RunFailed(RuntimeError):
@@ -199,6 +203,8 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
                 check_nonfinite()  # on CUDA the quantizer's NaN/inf check is deferred: it names the tensor
                 raise RunFailed(f"step {step}: {e}") from e
             check_nonfinite()  # the deferred check's one GPU->CPU sync per step (fp8/quant.py); nothing on a CPU
+            if rank0 and (note := guard_note(last, cfg.train.mismatch_guard)):
+                log.warning("step %d: %s", step, note)  # the run's stderr log, beside its metrics
             if _is_val_step(cfg, step):
                 last.update(_validate(ctx) or {})
             sink.log(step, last)

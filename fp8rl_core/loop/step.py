@@ -100,8 +100,14 @@ def _train(ctx: RunContext, batch: TrainBatch, reuse: bool) -> dict[str, float]:
 
     reuse: the (single) step scores the batch itself; its old log-probs / IS weights are written back
     into `batch` in the batch's row order.
+    With the mismatch guard on and several optimizer steps, each of them is guarded by the rollout step's
+    mismatch (what the step logs), not by its minibatch's: the old log-probs are known up front there.
     """
     parts = split_rows(batch.input_ids.shape[0], ctx.cfg.optim.micro_steps, ctx.shuffle)
+    guarded = {}
+    if len(parts) > 1 and ctx.cfg.train.mismatch_guard.enabled:
+        guarded["step_mismatch"] = global_mismatch(ctx.mesh, batch.old_logprobs, batch.gen_logprobs,
+                                                   batch.response_mask)
     sums: dict[str, float] = {}
     for rows in parts:
         sub = batch.select(rows)
@@ -113,10 +119,19 @@ def _train(ctx: RunContext, batch: TrainBatch, reuse: bool) -> dict[str, float]:
             batch.is_weights = torch.empty_like(batch.old_logprobs).index_copy_(
                 0, rows.to(batch.old_logprobs.device), ctx.train.last_is_weights)
         else:
-            metrics = ctx.train.train_step(sub)
+            metrics = ctx.train.train_step(sub, **guarded)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(parts) for k, v in sums.items()}
+
+
+def global_mismatch(mesh: Mesh, old: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor) -> float:
+    """token_mult_prob_error over ALL ranks' data (old, gen, mask: this rank's [B, T]); world size 1: the
+    pure function itself, else float64 sums and counts all-reduced (as _global_stats)."""
+    if not mesh.distributed:
+        return token_mult_prob_error(old, gen, mask)
+    e_sum, n = mesh.all_reduce_sum(list(token_mult_prob_error_sum(old, gen, mask))).tolist()
+    return e_sum / n if n else float("nan")
 
 
 def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor,

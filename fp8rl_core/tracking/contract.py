@@ -53,6 +53,11 @@ M_FRAC_GT_1 = "logprob_abs_diff_frac_gt_1"
 M_FRAC_GT_10 = "logprob_abs_diff_frac_gt_10"
 TAIL_FRACTIONS = (M_FRAC_GT_0P1, M_FRAC_GT_1, M_FRAC_GT_10)
 BEST_PREFIX = "best_"  # a search's parent run logs best_<search.metric>
+# The mismatch guard (train.mismatch_guard, off by default; fp8rl_core/engines/guard.py), every step while it
+# is on: whether the step's update was skipped (0/1; with micro_steps > 1 the share of its optimizer steps)
+# and the share of its sequences left out of the loss. Not in STEP_METRICS: a run without the guard has none.
+M_GUARD_SKIPPED = "guard_skipped"
+M_GUARD_MASKED_FRACTION = "guard_masked_fraction"
 # What every training step logs, and what every validation step (step 0 and every val_every) adds.
 STEP_METRICS = (M_MISMATCH, M_REWARD, M_IS_WEIGHT, M_LOSS, M_STEP_TIME, *TAIL_FRACTIONS)
 VALIDATION_METRICS = (M_VAL_ACC, M_VAL_ACC_BF16_EVAL)
