@@ -15,6 +15,9 @@ from fp8rl_core.fp8.convert import is_excluded
 
 LAYER_FIELDS = RECIPE_KNOBS  # the Recipe fields resolve_recipe copies
 SCALE_KNOBS = ("power_of_two_scales", "scale_format")  # both resolve into Quantization.scale_format
+# process-wide, not per engine: the run's builder pins it for every FP8 GEMM (fp8/gemm.py pin_executor,
+# tests/fp8rl_core/fp8/test_gemm.py); it changes no quantization, so the recipe does not carry it
+PROCESS_KNOBS = ("gemm",)
 OTHER = {"format": "tensorwise", "scale_format": "pow2"}  # str knobs: a valid non-default value
 QUANT_FIELDS = tuple(f.name for f in dataclasses.fields(Quantization))
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -46,7 +49,7 @@ def _knobs(**values) -> Fp8Spec:
 def test_every_fp8_knob_is_a_quantization_or_layer_field():
     """A new `fp8.*` key must be a Quantization field (copied into each FP8 side) or one of the Recipe's
     layer counts; anything else would be silently dropped by resolve_recipe."""
-    orphans = [f.name for f in dataclasses.fields(Fp8Spec) if f.name not in QUANT_FIELDS + LAYER_FIELDS + SCALE_KNOBS]
+    orphans = [f.name for f in dataclasses.fields(Fp8Spec) if f.name not in QUANT_FIELDS + LAYER_FIELDS + SCALE_KNOBS + PROCESS_KNOBS]
     assert not orphans, f"fp8.{orphans[0]} reaches no recipe field (not a Quantization field nor a layer count)"
     # and the other way: every Quantization field is a knob of the run config
     assert not [n for n in QUANT_FIELDS if n not in {f.name for f in dataclasses.fields(Fp8Spec)}]
@@ -63,6 +66,8 @@ def test_each_fp8_knob_is_copied_into_the_resolved_recipe(knob):
         assert getattr(recipe.generation, knob) == value and getattr(recipe.training, knob) == value
     elif knob in LAYER_FIELDS:
         assert getattr(recipe, knob) == value
+    elif knob in PROCESS_KNOBS:  # the same quantization, whichever executor multiplies it
+        assert recipe == resolve_recipe("fp8_e2e", _knobs())
     else:
         pytest.fail(f"fp8.{knob} is neither a Quantization field nor a Recipe layer field")
 
