@@ -12,7 +12,9 @@ the zero-mismatch floor), `aggregate` (align steps, group by recipe × IS, Stude
 paired cells), `floor` (the matched-kernel floor table), `eval_offset` (the step-0 offset
 val_accuracy − val_accuracy_bf16_eval), `stats` (paired t, bootstrap, TOST, power, IQM, probability
 of improvement), `config` (`AnalysisConfig`: margin, α, bootstrap, the deciding accuracy metric),
-`claims` (PASS/FAIL/INCONCLUSIVE by paired tests), `rleval` (IQM and P(X > Y) tables), `verdicts`
+`claims` (PASS/FAIL/INCONCLUSIVE by paired tests), `episodes` (instability episodes per run under the
+band `analysis.episodes`, their rate per arm), `episode_report` (the flagged runs, rates and the
+sensitivity line: the claims without the flagged runs), `rleval` (IQM and P(X > Y) tables), `verdicts`
 (the claims table for the terminal, JSON and Markdown), `report` (all of it, logged to the sweep's
 parent run). `synthetic` makes sweeps with known effects for tests and demos.
 """

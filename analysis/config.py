@@ -23,13 +23,20 @@ Fields (all optional in the sweep file):
   writes: `claims` the ablation's figures, tables and claims 1–4; `numerics` the numerics study's
   per-knob paired effects against the default recipe (`analysis.numerics`, Figure 3). `to_dict` leaves it
   out while it is `claims`, so a claims report's files are what they were before the key existed.
+- `episodes` (a nested mapping, `EpisodeBand`; default: the band below, so every report flags
+  instability episodes even when the sweep file has no `episodes:` block): `mismatch_above` (1.1: a step
+  is flagged when its token_mult_prob_error exceeds it, NeMo RL's gate), `max_flagged_fraction` (0.05: a
+  run has an episode when more than this fraction of its steps are flagged) and `accuracy_drop` (10.0
+  accuracy points: a validation step of `accuracy_metric` more than this below the run's best earlier
+  validation is flagged, and its run has an episode). `analysis.episodes` reads the band; it never enters
+  a claim's verdict. `to_dict` leaves it out while it is the default band (claims.json's config as before).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
@@ -40,6 +47,37 @@ ACCURACY_LABELS = {M_VAL_ACC: "val accuracy", M_VAL_ACC_BF16_EVAL: "val accuracy
 CLAIMS, NUMERICS = "claims", "numerics"
 KINDS = (CLAIMS, NUMERICS)  # kind's allowed values
 CHOICES = {"accuracy_metric": ACCURACY_METRICS, "kind": KINDS}  # the string fields and their allowed values
+EPISODES = "episodes"  # the nested mapping's key in `analysis:`
+
+
+@dataclass(frozen=True)
+class EpisodeBand:
+    """The sweep file's `analysis.episodes`: when a step, and a run, count as an instability episode.
+
+    Flagged steps: token_mult_prob_error x_t > `mismatch_above`; validation steps v whose accuracy
+    a_v (a fraction) satisfies 100 · (max_{u<v} a_u − a_v) > `accuracy_drop`. A run has an episode iff
+    (flagged mismatch steps) / (logged mismatch steps) > `max_flagged_fraction`, or a validation step
+    is flagged. Detection: the module `analysis.episodes`."""
+
+    mismatch_above: float = 1.1
+    max_flagged_fraction: float = 0.05
+    accuracy_drop: float = 10.0
+
+    def __post_init__(self) -> None:
+        rules = [
+            ("mismatch_above", self.mismatch_above > 1,
+             "a ratio above 1 (token_mult_prob_error is >= 1 by definition; 1 would flag every step), e.g. 1.1"),
+            ("max_flagged_fraction", 0 <= self.max_flagged_fraction < 1, "a fraction of steps in [0, 1), e.g. 0.05"),
+            ("accuracy_drop", 0 < self.accuracy_drop < 100, "accuracy points in (0, 100), e.g. 10"),
+        ]
+        _apply(self, rules)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None, where: str = f"{SECTION}.{EPISODES}") -> EpisodeBand:
+        """From the `episodes:` mapping; errors name the key (`analysis.episodes.mismatch_above`)."""
+        if raw is None:
+            return cls()
+        return _build(cls, raw, where)
 
 
 @dataclass(frozen=True)
@@ -52,7 +90,8 @@ class AnalysisConfig:
     trim: float = 0.1
     is_variant: str | None = None
     accuracy_metric: str = M_VAL_ACC
-    kind: str = CLAIMS  # last: the unknown-key message lists the older keys first, as before
+    kind: str = CLAIMS  # after the older keys: the unknown-key message lists them first, as before
+    episodes: EpisodeBand = field(default_factory=EpisodeBand)  # the instability band (analysis.episodes)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -67,20 +106,7 @@ class AnalysisConfig:
         """From the sweep file's `analysis:` mapping; errors name the key (`analysis.alpha`) and the fix."""
         if raw is None:
             return cls()
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(raw) - set(names))
-        if unknown:
-            raise ValueError(f"{where}.{unknown[0]}: unknown key; valid keys are: {', '.join(names)}")
-        values = {}
-        for f in dataclasses.fields(cls):
-            if f.name in raw:
-                values[f.name] = _coerce(f"{where}.{f.name}", raw[f.name], f.default)
-        try:
-            return cls(**values)
-        except ValueError as e:
-            raise ValueError(f"{where}.{e}") from None
+        return _build(cls, raw, where)
 
     @property
     def other_accuracy_metric(self) -> str:
@@ -88,11 +114,35 @@ class AnalysisConfig:
         return next(m for m in ACCURACY_METRICS if m != self.accuracy_metric)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field; `kind` only when it is not `claims` (claims.json's config is unchanged)."""
+        """Every field; `kind` only when it is not `claims` and `episodes` only when it is not the default
+        band (claims.json's config is unchanged for a sweep file that does not set them)."""
         out = dataclasses.asdict(self)
         if self.kind == CLAIMS:
             del out["kind"]
+        if self.episodes == EpisodeBand():
+            del out[EPISODES]
         return out
+
+
+def _build(cls: type, raw: Any, where: str) -> Any:
+    """`cls` (AnalysisConfig or EpisodeBand) from a sweep-file mapping; every error names its key from
+    `where` down (`analysis.episodes.accuracy_drop: ...`)."""
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping of keys to values, got {type(raw).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(names), key=str)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: unknown key; valid keys are: {', '.join(names)}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name == EPISODES and f.name in raw:  # the nested band: validated with its own keys
+            values[f.name] = EpisodeBand.from_dict(raw[f.name], f"{where}.{f.name}")
+        elif f.name in raw:
+            values[f.name] = _coerce(f"{where}.{f.name}", raw[f.name], f.default)
+    try:
+        return cls(**values)
+    except ValueError as e:  # "<field>: ..." from the rules: name it from the file's section down
+        raise ValueError(f"{where}.{e}") from None
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -122,8 +172,17 @@ def _check(c: AnalysisConfig) -> None:
         ("trim", 0 <= c.trim < 0.5, "a proportion in [0, 0.5), e.g. 0.1"),
         ("accuracy_metric", c.accuracy_metric in ACCURACY_METRICS, "one of: " + ", ".join(ACCURACY_METRICS)),
         ("kind", c.kind in KINDS, "one of: " + ", ".join(KINDS)),
+        (EPISODES, isinstance(c.episodes, EpisodeBand),
+         "an EpisodeBand (in a sweep file: a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(
+             EpisodeBand)) + ")"),
     ]
+    _apply(c, rules)
+
+
+def _apply(obj: Any, rules: list[tuple[str, bool, str]]) -> None:
+    """Raise `ValueError('<field>: <value> is invalid; expected <want>')` for the first failed rule
+    (a non-finite float always fails)."""
     for name, ok, want in rules:
-        value = getattr(c, name)
+        value = getattr(obj, name)
         if isinstance(value, float) and not math.isfinite(value) or not ok:
             raise ValueError(f"{name}: {value!r} is invalid; expected {want}")

@@ -15,6 +15,12 @@
   annotated with the recipes that sit on it at every step (`axis_floor`).
 - Figure 2 `fig2_val_accuracy`: validation accuracy (%) vs RL step, one curve per recipe × IS, of the
   deciding accuracy metric (`analysis.accuracy_metric`). Distinct-kernel runs only.
+- Both: black crosses on a curve mark the steps at which one of its runs with an instability episode
+  (module `analysis.episodes`; the sweep file's band `analysis.episodes`, on by default) was flagged:
+  Figure 1 its mismatch steps above the band, Figure 2 its validation steps with an accuracy drop or
+  inside its mismatch episode (`episodes.group_marks`); one legend entry, EPISODE_LABEL, and a caption
+  line. A curve is a mean over runs, so a cross sits on the arm's mean at that step, not on the
+  flagged run's own value.
 Colors are fixed per recipe (Okabe–Ito, colour-blind safe: bf16 blue, fp8_gen vermillion, fp8_e2e
 green) and line styles per IS variant (none solid, token dashed, tis dash-dot, icepop dotted), so a
 curve looks the same in both figures. Legends sit outside the axes; a note under each figure says
@@ -34,7 +40,8 @@ import numpy as np  # noqa: E402
 
 from analysis.aggregate import Curve, curves  # noqa: E402
 from analysis.claims import step_order  # noqa: E402
-from analysis.config import ACCURACY_LABELS, AnalysisConfig  # noqa: E402
+from analysis.config import ACCURACY_LABELS, AnalysisConfig, EpisodeBand  # noqa: E402
+from analysis.episodes import group_marks  # noqa: E402
 from analysis.fetch import SweepData  # noqa: E402
 from analysis.kernels import MATCHED, only_kernels  # noqa: E402
 from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_IS, TAG_RECIPE, TAG_SEED  # noqa: E402
@@ -50,6 +57,9 @@ MATCHED_DASH = (4.0, 8.0)  # matched-kernel curves: 4 on, 8 off; recipe i starts
 MATCHED_LEGEND = (4.0, 3.0)  # their legend samples: the same dashes, unshifted and denser
 EXACT_LABEL = "= 1 exactly"  # the floor's tick label
 FIG1, FIG2 = "fig1_token_mult_prob_error", "fig2_val_accuracy"
+EPISODE_LABEL = "instability episode (analysis.episodes)"
+# black with a white rim: visible on every recipe colour and on the CI bands, drawn above the curves
+EPISODE_MARKER = dict(marker="X", s=42, color="#000000", edgecolors="white", linewidths=0.6, zorder=4)
 
 
 def recipe_color(recipe: str, seen: Sequence[str] = ()) -> str:
@@ -93,6 +103,25 @@ def _plot(ax, cs: Sequence[Curve], labels: Sequence[str], colors, styles, marker
             if bounds is not None:
                 lo, hi = np.clip(lo, *bounds), np.clip(hi, *bounds)
             ax.fill_between(c.steps, lo, hi, color=color, alpha=band_alpha, linewidth=0)
+
+
+def _mark_episodes(ax, cs: Sequence[Curve], marks: dict[tuple[str, ...], np.ndarray], scale: float = 1.0,
+                   bounds: tuple[float, float] | None = None) -> int:
+    """A cross on each curve's mean at its group's marked steps (`marks`: `episodes.group_marks` with the
+    curves' grouping keys); the first collection carries EPISODE_LABEL (one legend entry). Returns the
+    number of crosses drawn."""
+    drawn = 0
+    for c in cs:
+        steps = marks.get(tuple(c.group.values()))
+        if steps is None:
+            continue
+        idx = np.flatnonzero(np.isin(c.steps, steps) & np.isfinite(c.mean))
+        if idx.size == 0:
+            continue
+        y = c.mean[idx] * scale if bounds is None else np.clip(c.mean[idx] * scale, *bounds)
+        ax.scatter(c.steps[idx], y, label=EPISODE_LABEL if drawn == 0 else f"_{EPISODE_LABEL}", **EPISODE_MARKER)
+        drawn += idx.size
+    return drawn
 
 
 def _finish(ax, title: str, subtitle: str, xlabel: str, ylabel: str, note: str, legend_title: str) -> None:
@@ -222,6 +251,8 @@ def mismatch_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE,), cfg: Ana
     _plot(ax, ms, [f"{r}, matched kernels" for r in m_recipes], [recipe_color(r, seen) for r in m_recipes],
           [matched_style(i) for i in range(len(ms))], [None] * len(ms), 1.0, 0.08, bounds=bounds)
     _legend_proxies(ax, ax.get_lines()[len(cs):])
+    band = cfg.episodes if cfg is not None else EpisodeBand()
+    crosses = _mark_episodes(ax, cs, group_marks(distinct.runs, by, band), 1.0, bounds)
     # references drawn after the curves (legend order) but beneath them (zorder)
     ax.axhspan(*ACCEPTABLE, color="#E69F00", alpha=0.14, linewidth=0, zorder=0,
                label="usual acceptable bound (1.03–1.05)")
@@ -234,6 +265,9 @@ def mismatch_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE,), cfg: Ana
               if len(variants) > 1 and TAG_IS not in by else "")
     order = order_note(data, cfg)
     note = ci_note(cs, pooled) + (f"\n{_matched_note(ms)}" if ms else "") + (f"\n{order}" if order else "")
+    if crosses:
+        note += (f"\n×: steps above {band.mismatch_above:g} of a run with an instability episode (more than "
+                 f"{band.max_flagged_fraction:.0%} of its steps above it; analysis.episodes)")
     _finish(ax, "Figure 1 · Generation vs training mismatch", _subtitle(data), "RL step",
             "token_mult_prob_error  (log scale of ratio − 1)", note, "recipe")
     return fig
@@ -258,8 +292,11 @@ def _matched_note(ms: Sequence[Curve]) -> str:
             f"mean over {n} run{'' if n == '1' else 's'} each")
 
 
-def accuracy_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE, TAG_IS), metric: str = M_VAL_ACC):
-    """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS of `metric`, distinct kernels."""
+def accuracy_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE, TAG_IS), metric: str = M_VAL_ACC,
+                    band: EpisodeBand | None = None):
+    """Figure 2 as a matplotlib Figure (not saved): one curve per recipe × IS of `metric`, distinct kernels;
+    crosses where a run with an instability episode under `band` (default: the default band) was flagged."""
+    band = band or EpisodeBand()
     data = only_kernels(data)
     cs = curves(data, metric, by=by)
     recipes = [c.group.get(TAG_RECIPE, "?") for c in cs]
@@ -269,11 +306,14 @@ def accuracy_figure(data: SweepData, by: Sequence[str] = (TAG_RECIPE, TAG_IS), m
     labels = [f"{r} · {is_label(v)}" for r, v in zip(recipes, variants)]
     _plot(ax, cs, labels, [recipe_color(r, recipes) for r in recipes], [is_style(v, variants) for v in variants],
           [IS_MARKERS.get(v, "P") for v in variants], scale, 0.09, bounds=(0.0, scale))
+    crosses = _mark_episodes(ax, cs, group_marks(data.runs, by, band, key=metric), scale, (0.0, scale))
+    note = ci_note(cs) + (f"\n×: validation steps of a run with an instability episode: more than "
+                          f"{band.accuracy_drop:g} pts below its best earlier validation, or inside its mismatch "
+                          f"episode (analysis.episodes)" if crosses else "")
     engine = " (one BF16 evaluation engine for every arm)" if metric == M_VAL_ACC_BF16_EVAL else ""
     what = ACCURACY_LABELS.get(metric, metric)
     _finish(ax, f"Figure 2 · Validation accuracy{engine}", _subtitle(data), "RL step",
-            f"{what} (%, pass@1 at rollout T)" if scale == 100 else what, ci_note(cs),
-            "recipe · importance sampling")
+            f"{what} (%, pass@1 at rollout T)" if scale == 100 else what, note, "recipe · importance sampling")
     return fig
 
 
@@ -288,4 +328,4 @@ def make_figures(data: SweepData, out_dir: str | Path, cfg: AnalysisConfig | Non
     plots `cfg.accuracy_metric`."""
     cfg = cfg or AnalysisConfig()
     return {"fig1": save(mismatch_figure(data, cfg=cfg), out_dir, FIG1),
-            "fig2": save(accuracy_figure(data, metric=cfg.accuracy_metric), out_dir, FIG2)}
+            "fig2": save(accuracy_figure(data, metric=cfg.accuracy_metric, band=cfg.episodes), out_dir, FIG2)}

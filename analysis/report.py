@@ -13,9 +13,17 @@ counted in report.md. What reads which runs (`analysis.kernels`): Figure 1 all o
 runs dashed), the floor table the matched ones, everything else the distinct ones. Claims 3–4 decide
 on `analysis.accuracy_metric`; the other metric's claims 3–4 follow, marked not deciding; the JSON
 verdicts add `not_deciding`, `eval_offset` (analysis.eval_offset), `floor` (analysis.floor),
-`stale_runs` and `missing_metrics` (accuracy metrics no run logged). Artifacts go under `report/` of
-the parent run and replace the previous report's files of the same name; the parent run also gets
-one tag per deciding claim (`fp8rl.claim.1` = PASS, ...), so the verdicts show in the MLflow runs table.
+`stale_runs`, `missing_metrics` (accuracy metrics no run logged) and `episodes`. Artifacts go under
+`report/` of the parent run and replace the previous report's files of the same name; the parent run
+also gets one tag per deciding claim (`fp8rl.claim.1` = PASS, ...), so the verdicts show in the MLflow
+runs table.
+
+Instability episodes (`analysis.episodes`, band `analysis.episodes`: on in every report, defaults when the
+sweep file has no such block): the summary table counts them per arm, Figures 1–2 mark the flagged steps,
+claims.md/.txt/.json, report.md and the terminal printout list the flagged runs, the rates per arm and
+the sensitivity line (the claims re-checked without the flagged runs, `analysis.episode_report`), and
+each child run gets the tags `fp8rl.episode` (true/false) and `fp8rl.episode_steps` ("54-76"), written
+with the parent's claim tags.
 
 MLflow 3.17's UI opens an experiment on its GenAI "Overview" unless the browser has chosen "Model
 training" once (the experiment tag `mlflow.experimentKind` is not read for that): `ui_link` gives the
@@ -32,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from analysis.claims import ClaimResult, check_claims, other_accuracy_claims
 from analysis.config import ACCURACY_METRICS, NUMERICS, AnalysisConfig
+from analysis.episode_report import EpisodeSection, episode_section
 from analysis.eval_offset import offset_markdown, offset_rows
 from analysis.fetch import SweepData, fetch_sweep
 from analysis.figures import make_figures, order_note
@@ -42,6 +51,7 @@ from analysis.rleval import rleval_markdown
 from analysis.summaries import summarize_all, tails_markdown
 from analysis.table import markdown_table, summary_rows, write_table
 from analysis.verdicts import format_verdicts, verdicts_json, verdicts_markdown
+from fp8rl_core.tracking import TAG_EPISODE, TAG_EPISODE_STEPS
 
 CLAIM_TAG = "fp8rl.claim.{}"
 
@@ -64,6 +74,7 @@ class ReportPaths:
     verdicts_text: str = ""  # `format_verdicts`: print this in the terminal
     verdicts: dict = field(default_factory=dict)  # `verdicts_json`: json.dumps this for --json
     ui_link: str = ""
+    episodes: EpisodeSection | None = None  # flagged runs, rates per arm, sensitivity (analysis.episode_report)
 
     @property
     def claims_json(self) -> Path:
@@ -88,6 +99,7 @@ class Sections:
     offset: str
     extra: str
     missing: list[str]  # accuracy metrics no (distinct) run logged
+    episodes: str = ""  # `EpisodeSection.markdown()`
 
 
 def _runs_line(data: SweepData) -> list[str]:
@@ -124,6 +136,7 @@ def _report_text(data: SweepData, figures: dict[str, list[Path]], sec: Sections,
     if cfg.other_accuracy_metric in sec.missing:
         out += [f"Claims 3–4 on {cfg.other_accuracy_metric}: not shown, {cfg.other_accuracy_metric} is missing "
                 "(not logged by these runs).", ""]
+    out += ["## Instability episodes", "", sec.episodes]
     out += ["## Summary", "", sec.table, sec.extra]
     return "\n".join(out)
 
@@ -141,11 +154,14 @@ def missing_metrics(data: SweepData) -> list[str]:
 
 
 def _write_claims(out: Path, results: list[ClaimResult], aside: list[ClaimResult], cfg: AnalysisConfig,
-                  extra: dict) -> tuple[Path, str, str, dict]:
+                  extra: dict, episodes: EpisodeSection) -> tuple[Path, str, str, dict]:
+    """claims.md/.txt/.json; each ends with the episodes (flagged runs, rates, sensitivity line). Returns
+    (claims.md's path, the verdicts' Markdown without the episodes, the terminal text, the JSON)."""
     md = verdicts_markdown(results, cfg, aside)
-    text, js = format_verdicts(results, cfg, aside), verdicts_json(results, cfg, aside, extra)
+    text = format_verdicts(results, cfg, aside) + "\n\n" + episodes.text()
+    js = verdicts_json(results, cfg, aside, {**extra, "episodes": episodes.to_dict()})
     path = out / "claims.md"
-    path.write_text("# Claim checks\n\n" + md)
+    path.write_text("# Claim checks\n\n" + md + "\n## Instability episodes\n\n" + episodes.markdown())
     path.with_suffix(".txt").write_text(text + "\n")
     path.with_suffix(".json").write_text(json.dumps(js, indent=2) + "\n")
     return path, md, text, js
@@ -159,6 +175,17 @@ def _log_to_parent(uri: str, paths: ReportPaths) -> None:
         client.log_artifact(paths.logged_to, str(path), ARTIFACT_DIR)
     for r in paths.results:
         client.set_tag(paths.logged_to, CLAIM_TAG.format(r.number), r.status)
+    _tag_children(client, paths.episodes)
+
+
+def _tag_children(client, episodes: EpisodeSection | None) -> None:
+    """`fp8rl.episode` = true/false and `fp8rl.episode_steps` on every child run (one batch each): the
+    runs table can then filter on them. Rewritten by each report (a mid-sweep run may get one later)."""
+    from fp8rl_core.tracking.store import set_tags
+
+    for e in episodes.runs if episodes else []:
+        if e.run_id:
+            set_tags(client, e.run_id, {TAG_EPISODE: str(e.has_episode).lower(), TAG_EPISODE_STEPS: e.steps_text})
 
 
 def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path, parent_run_id: str | None = None,
@@ -181,18 +208,20 @@ def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path,
         raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet{stale}")
     out = Path(out_dir)
     figures = make_figures(data, out, cfg)
-    table_md_path, table_csv_path = write_table(data, out)
+    table_md_path, table_csv_path = write_table(data, out, cfg=cfg)
     results, aside = check_claims(data, cfg), other_accuracy_claims(data, cfg)
+    episodes = episode_section(data.runs, results, cfg)
     floor, offsets, missing = floor_rows(data.runs), offset_rows(data.runs), missing_metrics(data)
     extra = {"eval_offset": offsets, "floor": floor, "stale_runs": data.stale_runs, "missing_metrics": missing}
-    claims_path, claims_md, text, js = _write_claims(out, results, aside, cfg, extra)
-    sections = Sections(claims_md, markdown_table(summary_rows(data)), floor_markdown(floor), offset_markdown(offsets),
-                        _extra_sections(data, cfg), missing)
+    claims_path, claims_md, text, js = _write_claims(out, results, aside, cfg, extra, episodes)
+    sections = Sections(claims_md, markdown_table(summary_rows(data, cfg=cfg)), floor_markdown(floor),
+                        offset_markdown(offsets), _extra_sections(data, cfg), missing, episodes.markdown())
     report = out / "report.md"
     report.write_text(_report_text(data, figures, sections, cfg))
     paths = ReportPaths(out, report, figures, table_md_path, table_csv_path, claims_path,
                         statuses=dict(Counter(r.status for r in data.runs)), results=results, aside=aside,
-                        verdicts_text=text, verdicts=js, ui_link=ui_link(uri, data.experiment_id, data.parent_run_id))
+                        verdicts_text=text, verdicts=js, ui_link=ui_link(uri, data.experiment_id, data.parent_run_id),
+                        episodes=episodes)
     if log_artifacts and data.parent_run_id:
         paths.logged_to = data.parent_run_id
         _log_to_parent(uri, paths)

@@ -9,7 +9,10 @@ taken over seeds:
 - mismatch: the median over steps of `token_mult_prob_error` (as claims 1–2: a few spikes in the
   hundreds make a mean over steps meaningless; the report's tails table has mean, p99 and max);
 - is_weight_mean, step_time_s, tokens_per_s: the mean over steps (means over seeds, no CI);
-  `tokens_per_s` is blank when runs did not log it.
+  `tokens_per_s` is blank when runs did not log it;
+- episodes: how many of the group's runs had an instability episode (`analysis.episodes`, the band
+  `analysis.episodes` of the AnalysisConfig: on by default), of `seeds` runs, with the rate's 95%
+  Clopper–Pearson interval; Markdown `1/3 [1%, 91%]`.
 CSV: plain numbers (empty when undefined), `*_ci95` columns are the CI half-widths.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from analysis.aggregate import DEFAULT_GROUP_KEYS, final_value, group_estimates, group_runs, mean_value, median_value
+from analysis.config import AnalysisConfig
+from analysis.episodes import Rate, detect_all, episode_rate
 from analysis.fetch import SweepData
 from analysis.kernels import only_kernels
 from fp8rl_core.tracking import (
@@ -35,11 +40,20 @@ from fp8rl_core.tracking import (
 
 COLUMNS = (TAG_RECIPE, TAG_IS, "seeds", "final_val_accuracy", "final_val_accuracy_ci95",
            "final_val_accuracy_bf16_eval", "final_val_accuracy_bf16_eval_ci95",
-           "mismatch", "mismatch_ci95", M_IS_WEIGHT, M_STEP_TIME, M_TOKENS_PER_S)
+           "mismatch", "mismatch_ci95", M_IS_WEIGHT, M_STEP_TIME, M_TOKENS_PER_S,
+           "episodes", "episode_rate", "episode_rate_ci95_lo", "episode_rate_ci95_hi")
 
 
-def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS) -> list[dict]:
-    """One dict per group of distinct-kernel runs with the COLUMNS (group keys beyond recipe/IS in front)."""
+def _episode_cells(rate: Rate) -> dict:
+    return dict(episodes=rate.k, episode_rate=rate.rate, episode_rate_ci95_lo=rate.ci[0],
+                episode_rate_ci95_hi=rate.ci[1])
+
+
+def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS,
+                 cfg: AnalysisConfig | None = None) -> list[dict]:
+    """One dict per group of distinct-kernel runs with the COLUMNS (group keys beyond recipe/IS in front);
+    the episode columns under `cfg.episodes` (default: the default band)."""
+    cfg = cfg or AnalysisConfig()
     runs = only_kernels(data.runs)
     acc = group_estimates(runs, M_VAL_ACC, final_value, by)
     acc_bf16 = group_estimates(runs, M_VAL_ACC_BF16_EVAL, final_value, by)
@@ -56,6 +70,7 @@ def summary_rows(data: SweepData, by: Sequence[str] = DEFAULT_GROUP_KEYS) -> lis
                    final_val_accuracy_bf16_eval_ci95=acc_bf16[group].half,
                    mismatch=mm[group].mean, mismatch_ci95=mm[group].half)
         row.update({M_IS_WEIGHT: isw[group].mean, M_STEP_TIME: st[group].mean, M_TOKENS_PER_S: tps[group].mean})
+        row.update(_episode_cells(episode_rate(detect_all(members, cfg))))
         rows.append(row)
     return rows
 
@@ -79,8 +94,8 @@ def markdown_table(rows: Sequence[dict], by: Sequence[str] = DEFAULT_GROUP_KEYS)
     pct = all(not math.isfinite(a) or a <= 1.0 for a in accs)
     scale, unit = (100.0, " %") if pct else (1.0, "")
     head = [*by, "seeds", "final val accuracy", "final val accuracy (BF16 eval)", "mismatch (median over steps)",
-            "mean IS weight", "step time (s)", "tokens/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(by) + ["--:"] * 7) + "|"]
+            "mean IS weight", "step time (s)", "tokens/s", "instability episodes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(by) + ["--:"] * 8) + "|"]
     for r in rows:
         cells = [str(r[k]) for k in by] + [
             str(r["seeds"]),
@@ -90,19 +105,21 @@ def markdown_table(rows: Sequence[dict], by: Sequence[str] = DEFAULT_GROUP_KEYS)
             _num(r[M_IS_WEIGHT], ".3f") or "–",
             _num(r[M_STEP_TIME], ".2f") or "–",
             _num(r[M_TOKENS_PER_S], ".0f") or "–",
+            Rate(r["episodes"], r["seeds"], (r["episode_rate_ci95_lo"], r["episode_rate_ci95_hi"])).text(),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     note = ("Mean ± 95% CI half-width over seeds (Student t); no ± with one seed. Distinct-kernel runs; "
-            "BF16 eval: the same validation samples through one BF16 engine (– where not logged).")
+            "BF16 eval: the same validation samples through one BF16 engine (– where not logged). Instability "
+            "episodes: runs with an episode of the group's runs (analysis.episodes), 95% Clopper–Pearson interval.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
 def write_table(data: SweepData, out_dir: str | Path, stem: str = "summary",
-                by: Sequence[str] = DEFAULT_GROUP_KEYS) -> tuple[Path, Path]:
-    """`summary.md` and `summary.csv` under `out_dir`."""
+                by: Sequence[str] = DEFAULT_GROUP_KEYS, cfg: AnalysisConfig | None = None) -> tuple[Path, Path]:
+    """`summary.md` and `summary.csv` under `out_dir` (episodes under `cfg.episodes`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = summary_rows(data, by)
+    rows = summary_rows(data, by, cfg)
     md, cs = out / f"{stem}.md", out / f"{stem}.csv"
     md.write_text(markdown_table(rows, by))
     columns = list(by) + [c for c in COLUMNS if c not in (TAG_RECIPE, TAG_IS)]

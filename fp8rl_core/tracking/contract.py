@@ -30,6 +30,9 @@ TAG_WORLD_SIZE = "world_size"  # ranks of the attempt (a resume may reshard)
 TAG_ERROR = "fp8rl.error"  # the exception that ended a failed cell, shown in the MLflow UI
 TAG_TRIAL = "optuna.trial"  # a search cell's Optuna trial number(s), comma-separated
 TAG_BEST_PARAMS = "best_params"  # on a search's parent run: the best trial's params
+# written on each child run by every sweep report (analysis/report.py; the band: analysis.episodes):
+TAG_EPISODE = "fp8rl.episode"  # "true" / "false": the run had an instability episode
+TAG_EPISODE_STEPS = "fp8rl.episode_steps"  # where: "54-76", "54-76; val 60,70", "val 60", or "none"
 # The experiment's kind for MLflow 3.x UIs that read it (earlier 3.x, Databricks). MLflow 3.17 ignores it:
 # its view comes from the browser (URL `?workflowType=machine_learning`, else local storage, default
 # GenAI "Overview"), so links to the runs table carry that query (`analysis.links.ui_link`).

@@ -272,7 +272,7 @@ class SweepSpec:
     tracking: SweepTrackingSpec = field(default_factory=SweepTrackingSpec)  # the MLflow store every cell logs to
     search: SearchSpec | None = None  # an Optuna search instead of grid/zip/exclude
     seeds: int | list[int] | None = None  # replicates of every cell: N (seeds 0..N-1) or a list; varied last
-    analysis: dict[str, Any] = field(default_factory=dict)  # report statistics: analysis.config.AnalysisConfig keys
+    analysis: dict[str, Any] = field(default_factory=dict)  # report statistics, instability band (keys: see below)
 
     def validate(self) -> None:
         if not self.experiment:

@@ -74,5 +74,7 @@ def test_missing_metrics_and_one_seed_leave_cells_empty():
     rows = summary_rows(SweepData("u", "1", "t", None, runs))
     assert np.isnan(rows[0]["tokens_per_s"]) and np.isnan(rows[0]["final_val_accuracy_ci95"])
     line = markdown_table(rows).splitlines()[2]
-    assert line.endswith("| – |") and "±" not in line.split("|")[4]
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[8] == "–" and "±" not in cells[3]  # tokens/s; now followed by the episodes column
+    assert cells[9].startswith("0/1 [0%, ")  # one run, no episode
     assert np.isnan(rows[0]["final_val_accuracy_bf16_eval"]) and line.split("|")[5].strip() == "–"  # an older run

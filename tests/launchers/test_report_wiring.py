@@ -40,6 +40,8 @@ def test_sweep_report_and_the_end_of_sweep_run_leave_out_cells_of_an_earlier_fil
     assert main(["report", str(path), "--out", str(cwd / "cli")]) == 0
     text = (cwd / "cli" / "report.md").read_text()
     assert "2 child runs (2 FINISHED)" in text and LEFT_OUT in text
+    printed = capsys.readouterr().out  # the instability episodes follow the claims in the printout
+    assert "Instability episodes: " in printed and "\nSensitivity: no run is flagged (analysis.episodes)" in printed
     # `sweep run` again: nothing to run, and its report (none yet in the sweep folder) reads the same cells
     assert run_sweep(sweep, run_fn=fake_run, out=io.StringIO(), poll_s=0.0, report=True) == 0
     text = (sweep.folder / "report" / "report.md").read_text()

@@ -299,6 +299,10 @@ def test_seeds_replicate_every_cell_and_vary_fastest(seeds, expected):
     ("seeds: [1, 1]\n", "seeds: expected a non-empty list of distinct seeds"),
     ("seeds: 2\nanalysis: {equivalence_margin: -1}\n", "analysis.equivalence_margin"),
     ("seeds: 2\nanalysis: {margin: 2}\n", "analysis.margin: unknown key"),
+    ("seeds: 2\nanalysis:\n  episodes: {mismatch_above: 0.9}\n", "t.yaml:4: analysis.episodes.mismatch_above: 0.9 "
+                                                                 "is invalid; expected a ratio above 1"),
+    ("seeds: 2\nanalysis:\n  episodes:\n    accuracy_drops: 5\n", "t.yaml:5: analysis.episodes.accuracy_drops: "
+                                                                  "unknown key; valid keys are: mismatch_above"),
 ])
 def test_bad_seeds_and_analysis_keys_name_the_key(text, fragment):
     with pytest.raises(SweepError, match=fragment.replace("[", r"\[")) as e:
