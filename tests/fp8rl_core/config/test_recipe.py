@@ -49,7 +49,8 @@ def _knobs(**values) -> Fp8Spec:
 def test_every_fp8_knob_is_a_quantization_or_layer_field():
     """A new `fp8.*` key must be a Quantization field (copied into each FP8 side) or one of the Recipe's
     layer counts; anything else would be silently dropped by resolve_recipe."""
-    orphans = [f.name for f in dataclasses.fields(Fp8Spec) if f.name not in QUANT_FIELDS + LAYER_FIELDS + SCALE_KNOBS + PROCESS_KNOBS]
+    known = QUANT_FIELDS + LAYER_FIELDS + SCALE_KNOBS + PROCESS_KNOBS
+    orphans = [f.name for f in dataclasses.fields(Fp8Spec) if f.name not in known]
     assert not orphans, f"fp8.{orphans[0]} reaches no recipe field (not a Quantization field nor a layer count)"
     # and the other way: every Quantization field is a knob of the run config
     assert not [n for n in QUANT_FIELDS if n not in {f.name for f in dataclasses.fields(Fp8Spec)}]
