@@ -115,12 +115,15 @@ def _rank(key: str, value: str) -> tuple:
     return (order.index(value), "") if value in order else (len(order), value)
 
 
-def group_runs(runs: Sequence[RunHistory], by: Sequence[str] = DEFAULT_GROUP_KEYS
-               ) -> dict[tuple[str, ...], list[RunHistory]]:
-    """Runs grouped by the values of `by` (a run lacking a key goes to value '?'), groups ordered."""
+def group_runs(runs: Sequence[RunHistory], by: Sequence[str] = DEFAULT_GROUP_KEYS,
+               key: Callable[[RunHistory], Sequence[str]] | None = None) -> dict[tuple[str, ...], list[RunHistory]]:
+    """Runs grouped by the values of `by` (a run lacking a key goes to value '?'), groups ordered.
+    `key`: a run's values of `by` when they are not its tags/params (the numerics study's arm, a
+    function of several params: `by=("arm",), key=lambda r: (arm_label(r.params),)`)."""
     groups: dict[tuple[str, ...], list[RunHistory]] = defaultdict(list)
     for run in runs:
-        groups[tuple(run.get(k, MISSING) or MISSING for k in by)].append(run)
+        values = key(run) if key is not None else [run.get(k, MISSING) or MISSING for k in by]
+        groups[tuple(values)].append(run)
     order = sorted(groups, key=lambda g: tuple(_rank(k, v) for k, v in zip(by, g)))
     return {g: groups[g] for g in order}
 

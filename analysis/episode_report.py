@@ -13,12 +13,17 @@ pair runs by seed (`summaries.paired`, claim 3's seeds with all three cells): a 
 pairs with it — claim 4 (one IS setting) loses that seed; claims 1–2, which average a seed's IS
 settings, keep the seed through its other settings — and a comparison left with fewer than two pairs is
 INCONCLUSIVE, as any claim short of seeds is.
+
+The numerics report builds the same section (`analysis.numerics_episodes`): its arms are knob settings,
+its runs named by arm and seed (`labels`), its sensitivity re-runs the paired effects; `tag_runs`
+writes the child runs' tags for both reports.
 """
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -36,8 +41,19 @@ from analysis.episodes import (
 )
 from analysis.fetch import RunHistory
 from analysis.kernels import DISTINCT
+from fp8rl_core.tracking import TAG_EPISODE, TAG_EPISODE_STEPS
 
 WIDTH = 100  # the terminal block's line width (as the claims' rule paragraph, analysis.verdicts)
+NO_FLAGGED = "Sensitivity: no run is flagged (analysis.episodes), so no verdict rests on a flagged run"
+
+
+class SensitivityView(Protocol):
+    """What the section reads of a sensitivity check (the claims' `Sensitivity`, the numerics one)."""
+
+    left_out: list[str]
+    line: str
+
+    def to_dict(self) -> dict: ...
 
 
 @dataclass
@@ -49,16 +65,24 @@ class Sensitivity:
     statuses: list[str] = field(default_factory=list)  # the deciding verdicts without them ([]: nothing left out)
     line: str = ""
 
+    def to_dict(self) -> dict:
+        changes = [{"claim": n, "before": a, "after": b} for n, a, b in self.changes]
+        return {"left_out": self.left_out, "changes": changes, "statuses": self.statuses, "line": self.line}
+
+
+def left_out_text(left_out: Sequence[str]) -> str:
+    """'the 2 flagged runs (a, b)'."""
+    return f"the {len(left_out)} flagged run{'s' * (len(left_out) != 1)} ({', '.join(left_out)})"
+
 
 def sensitivity_line(left_out: Sequence[str], changes: Sequence[tuple[int, str, str]]) -> str:
     """One line: what leaving out the flagged runs does to the deciding verdicts."""
     if not left_out:
-        return "Sensitivity: no run is flagged (analysis.episodes), so no verdict rests on a flagged run"
-    runs = f"the {len(left_out)} flagged run{'s' * (len(left_out) != 1)} ({', '.join(left_out)})"
+        return NO_FLAGGED
     if not changes:
-        return f"Sensitivity: leaving out {runs}, no claim's verdict changes"
+        return f"Sensitivity: leaving out {left_out_text(left_out)}, no claim's verdict changes"
     what = "; ".join(f"claim {n} changes {a} -> {b}" for n, a, b in changes)
-    return f"Sensitivity: leaving out {runs}, {what}"
+    return f"Sensitivity: leaving out {left_out_text(left_out)}, {what}"
 
 
 def sensitivity(runs: Sequence[RunHistory], episodes: Sequence[RunEpisodes], results: Sequence[ClaimResult],
@@ -81,12 +105,20 @@ class EpisodeSection:
 
     cfg: AnalysisConfig
     runs: list[RunEpisodes]  # every child run, distinct and matched, in the data's order
-    arms: list[ArmRate]  # distinct-kernel runs per recipe × IS
-    sensitivity: Sensitivity
+    arms: list[ArmRate]  # distinct-kernel runs per arm (recipe × IS; the numerics report: knob setting)
+    sensitivity: SensitivityView
+    labels: list[str] = field(default_factory=list)  # the runs' names, aligned with `runs` ([]: RunEpisodes.label)
 
     @property
     def flagged(self) -> list[RunEpisodes]:
         return [e for e in self.runs if e.has_episode]
+
+    def named(self) -> list[tuple[RunEpisodes, str]]:
+        """(flags, name) per run; the name is `labels`' entry, else `RunEpisodes.label`."""
+        return list(zip(self.runs, self.labels or [e.label for e in self.runs]))
+
+    def flagged_named(self) -> list[tuple[RunEpisodes, str]]:
+        return [(e, name) for e, name in self.named() if e.has_episode]
 
     def band_text(self) -> str:
         b, metric = self.cfg.episodes, self.cfg.accuracy_metric
@@ -101,7 +133,8 @@ class EpisodeSection:
         rates = "; ".join(f"{'/'.join(a.group.values())} {a.rate.text()}" for a in self.arms) or "no runs"
         lines = [fill(f"Instability episodes: {self.band_text()}."),
                  fill(f"runs with an episode per arm ({RATE_LEVEL:.0%} {RATE_METHOD} interval): {rates}", "  ")]
-        lines += [fill(f"flagged: {run_text(e, self.cfg.episodes.mismatch_above)}", "  ") for e in self.flagged]
+        above = self.cfg.episodes.mismatch_above
+        lines += [fill(f"flagged: {run_text(e, above, name)}", "  ") for e, name in self.flagged_named()]
         if not self.flagged:
             lines.append("  flagged: none")
         return "\n".join([*lines, self.sensitivity.line])
@@ -111,7 +144,7 @@ class EpisodeSection:
         band = self.band_text()
         lines = [band[0].upper() + band[1:] + ".", "", *_rates_table(self.arms), ""]
         if self.flagged:
-            lines += [*_flagged_table(self.flagged, self.cfg.episodes.mismatch_above), ""]
+            lines += [*_flagged_table(self.flagged_named(), self.cfg.episodes.mismatch_above), ""]
         else:
             lines += ["No run has an instability episode.", ""]
         return "\n".join([*lines, self.sensitivity.line + ".", ""])
@@ -120,12 +153,10 @@ class EpisodeSection:
         """The JSON verdicts' `episodes`: band, interval method, arms, every run's flags, sensitivity."""
         return jsonable({"band": asdict(self.cfg.episodes), "accuracy_metric": self.cfg.accuracy_metric,
                          "interval": f"{RATE_LEVEL:.0%} {RATE_METHOD}", "merge_gap": MERGE_GAP,
-                         "arms": [a.to_dict() for a in self.arms], "flagged": [e.label for e in self.flagged],
-                         "runs": [e.to_dict() for e in self.runs],
-                         "sensitivity": {"left_out": self.sensitivity.left_out,
-                                         "changes": [{"claim": n, "before": a, "after": b}
-                                                     for n, a, b in self.sensitivity.changes],
-                                         "statuses": self.sensitivity.statuses, "line": self.sensitivity.line}})
+                         "arms": [a.to_dict() for a in self.arms],
+                         "flagged": [name for _, name in self.flagged_named()],
+                         "runs": [{**e.to_dict(), "label": name} for e, name in self.named()],
+                         "sensitivity": self.sensitivity.to_dict()})
 
 
 def _rates_table(arms: Sequence[ArmRate]) -> list[str]:
@@ -141,11 +172,11 @@ def _rates_table(arms: Sequence[ArmRate]) -> list[str]:
                         "Clopper–Pearson (exact, `scipy.stats.binomtest(k, n).proportion_ci(method=\"exact\")`)."]
 
 
-def _flagged_table(flagged: Sequence[RunEpisodes], above: float) -> list[str]:
-    """Markdown lines: one row per flagged run, then how to read its episode steps."""
+def _flagged_table(flagged: Sequence[tuple[RunEpisodes, str]], above: float) -> list[str]:
+    """Markdown lines: one row per flagged run (flags, name), then how to read its episode steps."""
     head = (f"| run | mismatch steps > {above:g} | episode steps | peak mismatch (step) | "
             "worst accuracy drop (step) |")
-    return [head, "|---|--:|---|--:|--:|", *(_markdown_row(e) for e in flagged), "",
+    return [head, "|---|--:|---|--:|--:|", *(_markdown_row(e, name) for e, name in flagged), "",
             f"Episode steps: the flagged mismatch steps as ranges (a range bridges up to {MERGE_GAP} unflagged "
             "steps) when the run has a mismatch episode, then `val` and the validation steps flagged for an "
             "accuracy drop. The same text is each child run's MLflow tag `fp8rl.episode_steps`."]
@@ -155,8 +186,8 @@ def _num(x: float, fmt: str, step: int | None, unit: str = "") -> str:
     return "n/a" if not np.isfinite(x) else f"{format(x, fmt)}{unit} ({step})"
 
 
-def _markdown_row(e: RunEpisodes) -> str:
-    return (f"| {e.label} | {e.flagged_steps}/{e.steps} ({e.flagged_fraction:.0%}) | {e.steps_text} | "
+def _markdown_row(e: RunEpisodes, name: str) -> str:
+    return (f"| {name} | {e.flagged_steps}/{e.steps} ({e.flagged_fraction:.0%}) | {e.steps_text} | "
             f"{_num(e.peak_mismatch, '.4g', e.peak_step)} | {_num(e.worst_drop, '.1f', e.worst_drop_step, ' pts')} |")
 
 
@@ -169,13 +200,14 @@ def where_text(e: RunEpisodes) -> str:
     return " and ".join(parts) or "no episode"
 
 
-def run_text(e: RunEpisodes, above: float) -> str:
+def run_text(e: RunEpisodes, above: float, name: str | None = None) -> str:
     """'fp8_e2e/token/seed 2 at steps 54-76 and validation steps 60, 70 (21 of 81 steps above 1.1, peak
-    2659 at step 72; worst accuracy drop 41.0 pts at step 60)'; `above`: the band's mismatch_above."""
+    2659 at step 72; worst accuracy drop 41.0 pts at step 60)'; `above`: the band's mismatch_above;
+    `name`: the run's name (default `e.label`)."""
     peak = f"peak {e.peak_mismatch:.4g} at step {e.peak_step}" if np.isfinite(e.peak_mismatch) else "no mismatch logged"
     drop = (f"; worst accuracy drop {e.worst_drop:.1f} pts at step {e.worst_drop_step}"
             if np.isfinite(e.worst_drop) else "")
-    return f"{e.label} at {where_text(e)} ({e.flagged_steps} of {e.steps} steps above {above:g}, {peak}{drop})"
+    return f"{name or e.label} at {where_text(e)} ({e.flagged_steps} of {e.steps} steps above {above:g}, {peak}{drop})"
 
 
 def episode_section(runs: Sequence[RunHistory], results: Sequence[ClaimResult],
@@ -185,3 +217,14 @@ def episode_section(runs: Sequence[RunHistory], results: Sequence[ClaimResult],
     runs = list(runs)
     eps = detect_all(runs, cfg)
     return EpisodeSection(cfg, eps, arm_rates(runs, cfg), sensitivity(runs, eps, results, cfg))
+
+
+def tag_runs(client, runs: Iterable[RunEpisodes]) -> None:
+    """`fp8rl.episode` = true/false and `fp8rl.episode_steps` on every child run (one batch each;
+    `client`: a `fp8rl_core.tracking.store.Store`): the runs table can then filter on them. Rewritten
+    by each report (a mid-sweep run may get one later); a run without an id (in memory) is skipped."""
+    from fp8rl_core.tracking.store import set_tags  # MLflow behind its one home, imported when logging
+
+    for e in runs:
+        if e.run_id:
+            set_tags(client, e.run_id, {TAG_EPISODE: str(e.has_episode).lower(), TAG_EPISODE_STEPS: e.steps_text})

@@ -25,14 +25,15 @@ The band is `analysis.episodes` (`config.EpisodeBand`): τ = `mismatch_above`, f
   `worst_drop` = max_v drop_v (NaN with fewer than two validation steps).
 - `has_episode` = mismatch episode or accuracy episode.
 
-Per arm (`arm_rates`: recipe × IS, distinct-kernel runs, as the summary table and the claims group them):
+Per arm (`arm_rates`: recipe × IS, distinct-kernel runs, as the summary table and the claims group them;
+the numerics study passes its own arm, the knob setting, `analysis.numerics_episodes`):
 k runs with an episode of n, rate k/n, and its 95% Clopper–Pearson ("exact") interval,
 `scipy.stats.binomtest(k, n).proportion_ci(0.95, method="exact")`: with a handful of seeds per arm a
 normal approximation (or Wilson's) would under-cover at k = 0 or k = n, which is where these rates sit.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -223,14 +224,18 @@ class ArmRate:
 
 
 def arm_rates(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None,
-              by: Sequence[str] = DEFAULT_GROUP_KEYS) -> list[ArmRate]:
+              by: Sequence[str] = DEFAULT_GROUP_KEYS, key: Callable[[RunHistory], Sequence[str]] | None = None,
+              label: Callable[[RunHistory, RunEpisodes], str] | None = None) -> list[ArmRate]:
     """Per group of the distinct-kernel runs (`by`, default recipe × IS, ordered as the summary table):
-    the episode rate under `cfg.episodes` and the flagged runs' labels."""
+    the episode rate under `cfg.episodes` and the flagged runs' labels. A study whose arm is not a tag
+    (the numerics study's knob setting) passes `key` (a run's values of `by`, `aggregate.group_runs`)
+    and `label` (a flagged run's name from the run and its flags; default `RunEpisodes.label`)."""
     cfg = cfg or AnalysisConfig()
     out = []
-    for group, members in group_runs(only_kernels(list(runs)), by).items():
+    for group, members in group_runs(only_kernels(list(runs)), by, key).items():
         eps = detect_all(members, cfg)
-        out.append(ArmRate(dict(zip(by, group)), episode_rate(eps), tuple(e.label for e in eps if e.has_episode)))
+        names = tuple(label(r, e) if label else e.label for r, e in zip(members, eps) if e.has_episode)
+        out.append(ArmRate(dict(zip(by, group)), episode_rate(eps), names))
     return out
 
 

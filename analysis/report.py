@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from analysis.claims import ClaimResult, check_claims, other_accuracy_claims
 from analysis.config import ACCURACY_METRICS, NUMERICS, AnalysisConfig
-from analysis.episode_report import EpisodeSection, episode_section
+from analysis.episode_report import EpisodeSection, episode_section, tag_runs
 from analysis.eval_offset import offset_markdown, offset_rows
 from analysis.fetch import SweepData, fetch_sweep
 from analysis.figures import make_figures, order_note
@@ -51,7 +51,6 @@ from analysis.rleval import rleval_markdown
 from analysis.summaries import summarize_all, tails_markdown
 from analysis.table import markdown_table, summary_rows, write_table
 from analysis.verdicts import format_verdicts, verdicts_json, verdicts_markdown
-from fp8rl_core.tracking import TAG_EPISODE, TAG_EPISODE_STEPS
 
 CLAIM_TAG = "fp8rl.claim.{}"
 
@@ -175,17 +174,7 @@ def _log_to_parent(uri: str, paths: ReportPaths) -> None:
         client.log_artifact(paths.logged_to, str(path), ARTIFACT_DIR)
     for r in paths.results:
         client.set_tag(paths.logged_to, CLAIM_TAG.format(r.number), r.status)
-    _tag_children(client, paths.episodes)
-
-
-def _tag_children(client, episodes: EpisodeSection | None) -> None:
-    """`fp8rl.episode` = true/false and `fp8rl.episode_steps` on every child run (one batch each): the
-    runs table can then filter on them. Rewritten by each report (a mid-sweep run may get one later)."""
-    from fp8rl_core.tracking.store import set_tags
-
-    for e in episodes.runs if episodes else []:
-        if e.run_id:
-            set_tags(client, e.run_id, {TAG_EPISODE: str(e.has_episode).lower(), TAG_EPISODE_STEPS: e.steps_text})
+    tag_runs(client, paths.episodes.runs if paths.episodes else [])  # fp8rl.episode, fp8rl.episode_steps
 
 
 def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path, parent_run_id: str | None = None,
