@@ -44,6 +44,13 @@ as dots, the mean as a marker and its interval as a bar, a line at no effect. `n
 (arm, metric, n, effect, interval, verdict). `numerics.json`: every number (per-run summaries, per-seed
 differences, intervals) with its provenance (sweep file and its sha256, experiment, tracking URI,
 parent run, run ids per arm and seed, git commit when available, date).
+
+Instability episodes (`analysis.numerics_episodes`, band `analysis.episodes`, as in the claims report):
+`analyze` flags every run (`result.episodes`); the report lists the flagged runs and the rates per knob
+setting with their Clopper–Pearson intervals (report.md, numerics.md, numerics.json's `episodes`, the
+terminal text), crosses the per-seed dots of Figure 3 whose pair holds a flagged run, says whether a
+verdict changes without the flagged runs (the sensitivity line), and tags the child runs
+`fp8rl.episode` / `fp8rl.episode_steps` when it logs to the parent run.
 """
 from __future__ import annotations
 
@@ -57,6 +64,7 @@ from collections import Counter, defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -68,8 +76,9 @@ import numpy as np  # noqa: E402
 from analysis.aggregate import final_value  # noqa: E402
 from analysis.claims import jsonable  # noqa: E402
 from analysis.config import ACCURACY_METRICS, AnalysisConfig  # noqa: E402
+from analysis.episode_report import tag_runs  # noqa: E402
 from analysis.fetch import RunHistory, SweepData, fetch_sweep  # noqa: E402
-from analysis.figures import save  # noqa: E402
+from analysis.figures import EPISODE_LABEL, EPISODE_MARKER, save  # noqa: E402
 from analysis.kernels import only_kernels  # noqa: E402
 from analysis.links import ARTIFACT_DIR, ui_link
 from analysis.stats import p_value, t_interval  # noqa: E402
@@ -77,6 +86,9 @@ from fp8rl_core.config import Fp8Spec  # noqa: E402
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL  # noqa: E402
 from fp8rl_core.fp8.formats import FORMATS  # noqa: E402  (torch-free registry)
 from fp8rl_core.tracking import M_MISMATCH, TAG_SEED, TAIL_FRACTIONS  # noqa: E402
+
+if TYPE_CHECKING:
+    from analysis.numerics_episodes import NumericsEpisodes
 
 DEFAULT_ARM = "default"
 # the knobs and their defaults as the params read them (strings), from the run config itself; the order
@@ -239,6 +251,7 @@ class NumericsResult:
     runs: list[RunNumerics]
     metrics: list[Metric]
     confidence: float
+    episodes: NumericsEpisodes | None = None  # every run's instability flags (analysis.numerics_episodes)
 
     @property
     def compared(self) -> list[Arm]:
@@ -290,11 +303,13 @@ def _order_key(arm: Arm) -> tuple:
     return (0, -e, arm.label) if np.isfinite(e) else (1, 0.0, arm.label)
 
 
-def analyze(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None) -> NumericsResult:
-    """Arms, per-run summaries and paired effects of the distinct-kernel `runs` (module docstring).
-    ValueError when no run is the default arm or when two runs share an arm and a seed."""
+def analyze(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None, episodes: bool = True) -> NumericsResult:
+    """Arms, per-run summaries and paired effects of the distinct-kernel `runs` (module docstring), and
+    (`episodes`) every run's instability flags with the sensitivity line, which re-runs this without
+    them. ValueError when no run is the default arm or when two runs share an arm and a seed."""
     cfg = cfg or AnalysisConfig()
-    runs = only_kernels(list(runs))
+    every = list(runs)  # the episodes flag matched-kernel runs too (their tags), as the claims report does
+    runs = only_kernels(every)
     confidence = 1.0 - cfg.alpha
     summaries = [summarize_run(r, cfg) for r in runs]
     by_arm: dict[str, dict[str, RunNumerics]] = defaultdict(dict)
@@ -322,7 +337,12 @@ def analyze(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None) -> Nu
         arms.append(arm)
     default = next(a for a in arms if a.label == DEFAULT_ARM)
     ordered = sorted((a for a in arms if a is not default), key=_order_key)
-    return NumericsResult([default, *ordered], summaries, metrics, confidence)
+    result = NumericsResult([default, *ordered], summaries, metrics, confidence)
+    if episodes:
+        from analysis.numerics_episodes import numerics_episodes  # it imports this module (the sensitivity)
+
+        result.episodes = numerics_episodes(every, result, cfg)
+    return result
 
 
 # --- output ----------------------------------------------------------------------------------------
@@ -382,6 +402,7 @@ def numerics_figure(result: NumericsResult, cfg: AnalysisConfig, sweep_name: str
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 1.6 + 0.45 * max(len(arms), 1)),
                              sharey=True, layout="constrained")
     ys = np.arange(len(arms))[::-1]  # the first arm at the top
+    eps = result.episodes
     for ax, key in zip(axes, keys):
         m = by_key[key]
         def tr(v, m=m):  # display units: a ratio for the log effect, points for accuracy
@@ -392,6 +413,10 @@ def numerics_figure(result: NumericsResult, cfg: AnalysisConfig, sweep_name: str
             if e.n:
                 ax.plot(tr(e.differences), np.full(e.n, y) + 0.18, "o", color="#999999", markersize=3.5,
                         linestyle="none", zorder=2)
+                hit = np.isin(e.seeds, sorted(eps.pair_seeds(arm.label))) if eps else np.zeros(e.n, bool)
+                if hit.any():  # over the seed's dot: its pair holds a run with an instability episode
+                    ax.scatter(tr(e.differences)[hit], np.full(hit.sum(), y) + 0.18, label=EPISODE_LABEL,
+                               **EPISODE_MARKER)
             if np.isfinite(e.ci_low):
                 ax.plot(tr([e.ci_low, e.ci_high]), [y, y], color="#0072B2", linewidth=2.2, solid_capstyle="butt",
                         zorder=3)
@@ -413,12 +438,14 @@ def numerics_figure(result: NumericsResult, cfg: AnalysisConfig, sweep_name: str
         ax.grid(True, axis="x", alpha=0.3, linewidth=0.6)
         ax.spines[["top", "right"]].set_visible(False)
         ax.set_ylim(-0.7, len(arms) - 0.3)
-    axes[0].set_yticks(ys, [_arm_cell(a) for a in arms])
+    axes[0].set_yticks(ys, [_arm_cell(a) + (eps.tick(a.label) if eps else "") for a in arms])
+    note = eps.figure_note() if eps else ""
     pct = f"{result.confidence:.0%}"
     fig.suptitle(f"Figure 3 · Numerics knobs of fp8_e2e vs the default recipe, paired by seed "
                  f"(sweep {sweep_name or '?'}, n = {result.seeds_range()} seeds per knob)\n"
                  f"diamond: mean difference (knob − default); bar: {pct} paired t interval; dots: seeds; "
-                 "knobs ordered by their effect on the mismatch", x=0.01, ha="left", fontsize=11)
+                 "knobs ordered by their effect on the mismatch" + (f"\n{note}" if note else ""),
+                 x=0.01, ha="left", fontsize=11)
     if not arms:
         axes[0].text(0.5, 0.5, "no knob arms yet", transform=axes[0].transAxes, ha="center", color="#777777")
     return fig
@@ -460,6 +487,7 @@ def result_json(result: NumericsResult, cfg: AnalysisConfig, prov: dict) -> dict
                  for a in result.arms],
         "runs": [{"run_id": r.run_id, "run_name": r.run_name, "status": r.status, "seed": r.seed, "arm": r.arm,
                   **r.values} for r in result.runs],
+        **({"episodes": result.episodes.to_dict()} if result.episodes else {}),
     })
 
 
@@ -482,6 +510,11 @@ class NumericsReport:
 
     def files(self) -> list[Path]:
         return [self.report, *self.figure, self.table_md, self.json]
+
+    @property
+    def episodes(self) -> NumericsEpisodes | None:
+        """The flagged runs, rates per knob setting and sensitivity (as `ReportPaths.episodes`)."""
+        return self.result.episodes
 
 
 def _runs_lines(data: SweepData, result: NumericsResult) -> list[str]:
@@ -508,12 +541,13 @@ def write_numerics(result: NumericsResult, cfg: AnalysisConfig, out_dir: str | P
     sweep = prov.get("sweep")
     figure = save(numerics_figure(result, cfg, sweep), out, FIG3)
     table = markdown_table(result)
+    episodes = ["## Instability episodes", "", result.episodes.markdown()] if result.episodes else []
     table_md = out / "numerics.md"
-    table_md.write_text("# Numerics: each knob vs the default recipe\n\n" + table)
+    table_md.write_text("\n".join(["# Numerics: each knob vs the default recipe", "", table, *episodes]))
     js = result_json(result, cfg, prov)
     json_path = out / "numerics.json"
     json_path.write_text(json.dumps(js, indent=2) + "\n")
-    text = verdicts_text(result, figure_metrics(cfg))
+    text = verdicts_text(result, figure_metrics(cfg)) + (f"\n\n{result.episodes.text()}" if result.episodes else "")
     link = ui_link(data.uri, data.experiment_id, data.parent_run_id) if data else ""
     head = [*_runs_lines(data, result), f"In the MLflow UI: {link}", ""] if data else []
     title = "Figure 3: numerics knobs vs the default recipe"
@@ -523,7 +557,7 @@ def write_numerics(result: NumericsResult, cfg: AnalysisConfig, out_dir: str | P
                                  "## Paired effects", "", table,
                                  f"Every number, with the run ids per knob and seed: [numerics.json]({json_path.name})"
                                  ".",
-                                 ""]))
+                                 "", *episodes]))
     return NumericsReport(out, report, figure, table_md, json_path, result, text, js, link,
                           statuses=dict(Counter(r.status for r in result.runs)))
 
@@ -547,6 +581,7 @@ def make_numerics_report(uri: str, experiment: str, sweep_name: str, out_dir: st
         client = Store(uri)
         for path in rep.files():
             client.log_artifact(data.parent_run_id, str(path), ARTIFACT_DIR)
+        tag_runs(client, result.episodes.runs if result.episodes else [])  # as the claims report tags them
         rep.logged_to = data.parent_run_id
     return rep
 
