@@ -186,9 +186,15 @@ def _num(x: float, fmt: str, step: int | None, unit: str = "") -> str:
     return "n/a" if not np.isfinite(x) else f"{format(x, fmt)}{unit} ({step})"
 
 
+def _drop(e: RunEpisodes) -> str:
+    """The worst accuracy drop, or "none" when accuracy never fell below an earlier validation (a
+    negative "drop" is a rise, which reads as a fall)."""
+    return _num(e.worst_drop, ".1f", e.worst_drop_step, " pts") if not e.worst_drop <= 0 else "none"
+
+
 def _markdown_row(e: RunEpisodes, name: str) -> str:
     return (f"| {name} | {e.flagged_steps}/{e.steps} ({e.flagged_fraction:.0%}) | {e.steps_text} | "
-            f"{_num(e.peak_mismatch, '.4g', e.peak_step)} | {_num(e.worst_drop, '.1f', e.worst_drop_step, ' pts')} |")
+            f"{_num(e.peak_mismatch, '.4g', e.peak_step)} | {_drop(e)} |")
 
 
 def where_text(e: RunEpisodes) -> str:
@@ -206,7 +212,7 @@ def run_text(e: RunEpisodes, above: float, name: str | None = None) -> str:
     `name`: the run's name (default `e.label`)."""
     peak = f"peak {e.peak_mismatch:.4g} at step {e.peak_step}" if np.isfinite(e.peak_mismatch) else "no mismatch logged"
     drop = (f"; worst accuracy drop {e.worst_drop:.1f} pts at step {e.worst_drop_step}"
-            if np.isfinite(e.worst_drop) else "")
+            if np.isfinite(e.worst_drop) and e.worst_drop > 0 else "")
     return f"{name or e.label} at {where_text(e)} ({e.flagged_steps} of {e.steps} steps above {above:g}, {peak}{drop})"
 
 

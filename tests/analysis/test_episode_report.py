@@ -174,3 +174,20 @@ def test_the_declared_band_decides(band, flags):
     cfg = AnalysisConfig.from_dict({"bootstrap_resamples": 200, **band})
     sec = episode_section(runs, check_claims(runs, cfg), cfg)
     assert bool(sec.flagged) is flags and f"> {cfg.episodes.mismatch_above:g} on more than" in sec.markdown()
+
+
+def test_a_run_whose_accuracy_only_rose_shows_no_drop():
+    """A mismatch-only episode whose accuracy rose at every validation: its worst "drop" is negative (a
+    rise), which the texts must not print as a fall."""
+    from analysis.episode_report import _markdown_row, run_text
+    from analysis.episodes import RunEpisodes
+
+    e = RunEpisodes(recipe="fp8_e2e", importance_sampling="token", seed="2", run_id="r", kernels="distinct",
+                    steps=80, flagged_steps=20, ranges=((54, 73),), peak_mismatch=2659.0, peak_step=72,
+                    accuracy_steps=(), worst_drop=-10.0, worst_drop_step=40, mismatch_episode=True,
+                    accuracy_episode=False)
+    assert "drop" not in run_text(e, 1.1)
+    assert _markdown_row(e, "x").endswith("| none |") and "-10" not in _markdown_row(e, "x")
+    fell = RunEpisodes(**{**e.__dict__, "worst_drop": 41.0, "worst_drop_step": 60})
+    assert "worst accuracy drop 41.0 pts at step 60" in run_text(fell, 1.1)
+    assert "41.0 pts (60)" in _markdown_row(fell, "x")
