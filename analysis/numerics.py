@@ -81,26 +81,25 @@ from analysis.fetch import RunHistory, SweepData, fetch_sweep  # noqa: E402
 from analysis.figures import EPISODE_LABEL, EPISODE_MARKER, save  # noqa: E402
 from analysis.kernels import only_kernels  # noqa: E402
 from analysis.links import ARTIFACT_DIR, ui_link
+from analysis.numerics_arms import (  # noqa: E402
+    DEFAULT_ARM,
+    HIGHER,
+    KNOB_DEFAULTS,
+    LOWER,
+    NONE,
+    TOO_FEW,
+    arm_label,
+    changed_knobs,
+)
 from analysis.stats import p_value, t_interval  # noqa: E402
-from fp8rl_core.config import Fp8Spec  # noqa: E402
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL  # noqa: E402
-from fp8rl_core.fp8.formats import FORMATS  # noqa: E402  (torch-free registry)
 from fp8rl_core.tracking import M_MISMATCH, TAG_SEED, TAIL_FRACTIONS  # noqa: E402
 
 if TYPE_CHECKING:
     from analysis.numerics_episodes import NumericsEpisodes
 
-DEFAULT_ARM = "default"
-# the knobs and their defaults as the params read them (strings), from the run config itself; the order
-# of labels and of the table
-KNOBS = ("format", "scale_format", "quantize_from", "lm_head", "bf16_first_layers", "bf16_last_layers")
-KNOB_DEFAULTS = {f"fp8.{k}": str(getattr(Fp8Spec(), k)) for k in KNOBS}
-FORMAT, SCALE_FORMAT = "fp8.format", "fp8.scale_format"
-LEGACY_POW2 = "fp8.power_of_two_scales"  # true = scale_format pow2
-INT_KNOBS = ("fp8.bf16_first_layers", "fp8.bf16_last_layers")
 FIG3 = "fig3_numerics"
 NAN = float("nan")
-HIGHER, LOWER, NONE, TOO_FEW = "higher", "lower", "no detectable difference", "n/a (n < 2)"
 
 
 @dataclass(frozen=True)
@@ -139,40 +138,6 @@ def figure_metrics(cfg: AnalysisConfig) -> list[str]:
 
 
 # --- arms ------------------------------------------------------------------------------------------
-
-def _default_scale_format(fmt: str) -> str | None:
-    """The format's own default scale format (what `auto` resolves to), None for an unknown format."""
-    f = FORMATS.get(fmt)
-    return f.default_scale_format if f is not None else None
-
-
-def knob_values(params: Mapping[str, str]) -> dict[str, str]:
-    """The run's knobs, normalized (module docstring): equal strings mean the same numerics."""
-    values = {k: str(params.get(k, d)).strip() for k, d in KNOB_DEFAULTS.items()}
-    for k in INT_KNOBS:
-        try:
-            values[k] = str(int(float(values[k])))
-        except ValueError:
-            pass
-    scale = values[SCALE_FORMAT]
-    if scale == "auto" and str(params.get(LEGACY_POW2, "")).strip().lower() == "true":
-        scale = "pow2"
-    if scale == _default_scale_format(values[FORMAT]):
-        scale = "auto"
-    values[SCALE_FORMAT] = scale
-    return values
-
-
-def changed_knobs(params: Mapping[str, str]) -> dict[str, str]:
-    """The knobs whose value differs from the default, in `KNOB_DEFAULTS` order."""
-    return {k: v for k, v in knob_values(params).items() if v != KNOB_DEFAULTS[k]}
-
-
-def arm_label(params: Mapping[str, str]) -> str:
-    """`default`, `fp8.format=mxfp8`, or `fp8.format=mxfp8 + fp8.lm_head=fp8` (two knobs)."""
-    changed = changed_knobs(params)
-    return " + ".join(f"{k}={v}" for k, v in changed.items()) or DEFAULT_ARM
-
 
 # --- per run ---------------------------------------------------------------------------------------
 
@@ -339,9 +304,12 @@ def analyze(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None, episo
     ordered = sorted((a for a in arms if a is not default), key=_order_key)
     result = NumericsResult([default, *ordered], summaries, metrics, confidence)
     if episodes:
-        from analysis.numerics_episodes import numerics_episodes  # it imports this module (the sensitivity)
+        from analysis.numerics_episodes import numerics_episodes
 
-        result.episodes = numerics_episodes(every, result, cfg)
+        # the sensitivity re-runs this analysis on the kept runs, handed in so that the two modules do not import
+        # each other
+        result.episodes = numerics_episodes(every, result, cfg,
+                                            reanalyze=lambda kept: analyze(kept, cfg, episodes=False))
     return result
 
 

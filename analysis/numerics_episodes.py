@@ -24,15 +24,19 @@ run (the knob's or the default's run of that seed), and "k/n runs flagged" under
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from analysis.config import AnalysisConfig
 from analysis.episode_report import NO_FLAGGED, EpisodeSection, left_out_text
 from analysis.episodes import RunEpisodes, arm_rates, detect_all
 from analysis.fetch import RunHistory
 from analysis.kernels import DISTINCT, only_kernels
-from analysis.numerics import DEFAULT_ARM, TOO_FEW, NumericsResult, analyze, arm_label
+from analysis.numerics_arms import DEFAULT_ARM, TOO_FEW, arm_label
+
+if TYPE_CHECKING:  # the result type only: analysis.numerics imports this module
+    from analysis.numerics import NumericsResult
 
 ARM = "arm"  # the rates' group key (as numerics.json's arms)
 
@@ -78,7 +82,8 @@ def numerics_line(left_out: Sequence[str], changes: Sequence[tuple[str, str, str
 
 
 def numerics_sensitivity(runs: Sequence[RunHistory], episodes: Sequence[RunEpisodes], names: Sequence[str],
-                         result: NumericsResult, cfg: AnalysisConfig) -> NumericsSensitivity:
+                         result: NumericsResult, reanalyze: Callable[[list[RunHistory]], NumericsResult]
+                         ) -> NumericsSensitivity:
     """`runs`, `episodes`, `names` aligned; `result` the effects on all of `runs`. Re-runs them without
     the flagged distinct-kernel runs (matched ones never enter an effect) and compares every verdict;
     a knob without pairs then reads `n/a (n < 2)`."""
@@ -88,7 +93,7 @@ def numerics_sensitivity(runs: Sequence[RunHistory], episodes: Sequence[RunEpiso
         return NumericsSensitivity([], line=NO_FLAGGED)
     kept = [r for r, o in zip(runs, out) if not o]
     no_default = not any(arm_label(r.params) == DEFAULT_ARM for r in only_kernels(kept))
-    after = {} if no_default else knob_verdicts(analyze(kept, cfg, episodes=False))  # analyze needs a default
+    after = {} if no_default else knob_verdicts(reanalyze(kept))  # the analysis needs a default arm
     changes = [(k, m, a, after.get((k, m), TOO_FEW)) for (k, m), a in knob_verdicts(result).items()
                if a != after.get((k, m), TOO_FEW)]
     labels = {m.key: m.label for m in result.metrics}
@@ -124,8 +129,8 @@ class NumericsEpisodes(EpisodeSection):
                 + (f"; default: {default}" if default else ""))
 
 
-def numerics_episodes(runs: Sequence[RunHistory], result: NumericsResult,
-                      cfg: AnalysisConfig | None = None) -> NumericsEpisodes:
+def numerics_episodes(runs: Sequence[RunHistory], result: NumericsResult, cfg: AnalysisConfig | None,
+                      reanalyze: Callable[[list[RunHistory]], NumericsResult]) -> NumericsEpisodes:
     """Detect every run's episodes (`cfg.episodes`), the rates per knob setting (the order of
     `result.arms`), the flagged seeds per setting and the effects without the flagged runs."""
     cfg = cfg or AnalysisConfig()
@@ -139,4 +144,5 @@ def numerics_episodes(runs: Sequence[RunHistory], result: NumericsResult,
     for r, e in zip(runs, eps):
         if e.has_episode and e.kernels == DISTINCT:
             seeds[arm_label(r.params)].add(e.seed)
-    return NumericsEpisodes(cfg, eps, rates, numerics_sensitivity(runs, eps, names, result, cfg), names, dict(seeds))
+    sensitivity = numerics_sensitivity(runs, eps, names, result, reanalyze)
+    return NumericsEpisodes(cfg, eps, rates, sensitivity, names, dict(seeds))

@@ -19,21 +19,16 @@ from analysis.config import AnalysisConfig
 from analysis.fetch import RunHistory
 from analysis.kernels import KERNELS_PARAM, MATCHED
 from analysis.links import ARTIFACT_DIR
-from analysis.numerics import (
+from analysis.numerics import FIG3, MISMATCH_LOG, NumericsReport, analyze, main, make_numerics_report
+from analysis.numerics_arms import (
     DEFAULT_ARM,
-    FIG3,
     HIGHER,
     LOWER,
-    MISMATCH_LOG,
     NONE,
     TOO_FEW,
-    NumericsReport,
     _default_scale_format,
-    analyze,
     arm_label,
     knob_values,
-    main,
-    make_numerics_report,
 )
 from analysis.report import make_report
 from analysis.synthetic import log_sweep

@@ -22,17 +22,8 @@ from analysis.config import AnalysisConfig
 from analysis.episodes import RATE_LEVEL, detect_all
 from analysis.figures import EPISODE_LABEL
 from analysis.kernels import KERNELS_PARAM, MATCHED
-from analysis.numerics import (
-    DEFAULT_ARM,
-    MISMATCH_LOG,
-    TOO_FEW,
-    NumericsReport,
-    analyze,
-    arm_label,
-    figure_metrics,
-    numerics_figure,
-    result_json,
-)
+from analysis.numerics import MISMATCH_LOG, NumericsReport, analyze, figure_metrics, numerics_figure, result_json
+from analysis.numerics_arms import DEFAULT_ARM, TOO_FEW, arm_label
 from analysis.report import make_report
 from analysis.synthetic import log_sweep
 from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, TAG_EPISODE, TAG_EPISODE_STEPS, TAG_SEED

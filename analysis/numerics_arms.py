@@ -1,0 +1,53 @@
+"""The numerics study's arms: a run's knob setting, normalized, and its label (`analysis/numerics.py`'s
+module docstring says how the knobs are normalized), and the names of a paired effect's verdicts. Its own
+module so that `analysis.numerics` and `analysis.numerics_episodes` share it without importing each other."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fp8rl_core.config import Fp8Spec
+from fp8rl_core.fp8.formats import FORMATS  # torch-free registry
+
+DEFAULT_ARM = "default"
+# the knobs and their defaults as the params read them (strings), from the run config itself; the order
+# of labels and of the table
+KNOBS = ("format", "scale_format", "quantize_from", "lm_head", "bf16_first_layers", "bf16_last_layers")
+KNOB_DEFAULTS = {f"fp8.{k}": str(getattr(Fp8Spec(), k)) for k in KNOBS}
+FORMAT, SCALE_FORMAT = "fp8.format", "fp8.scale_format"
+LEGACY_POW2 = "fp8.power_of_two_scales"  # true = scale_format pow2
+INT_KNOBS = ("fp8.bf16_first_layers", "fp8.bf16_last_layers")
+HIGHER, LOWER, NONE, TOO_FEW = "higher", "lower", "no detectable difference", "n/a (n < 2)"
+
+
+def _default_scale_format(fmt: str) -> str | None:
+    """The format's own default scale format (what `auto` resolves to), None for an unknown format."""
+    f = FORMATS.get(fmt)
+    return f.default_scale_format if f is not None else None
+
+
+def knob_values(params: Mapping[str, str]) -> dict[str, str]:
+    """The run's knobs, normalized (module docstring): equal strings mean the same numerics."""
+    values = {k: str(params.get(k, d)).strip() for k, d in KNOB_DEFAULTS.items()}
+    for k in INT_KNOBS:
+        try:
+            values[k] = str(int(float(values[k])))
+        except ValueError:
+            pass
+    scale = values[SCALE_FORMAT]
+    if scale == "auto" and str(params.get(LEGACY_POW2, "")).strip().lower() == "true":
+        scale = "pow2"
+    if scale == _default_scale_format(values[FORMAT]):
+        scale = "auto"
+    values[SCALE_FORMAT] = scale
+    return values
+
+
+def changed_knobs(params: Mapping[str, str]) -> dict[str, str]:
+    """The knobs whose value differs from the default, in `KNOB_DEFAULTS` order."""
+    return {k: v for k, v in knob_values(params).items() if v != KNOB_DEFAULTS[k]}
+
+
+def arm_label(params: Mapping[str, str]) -> str:
+    """`default`, `fp8.format=mxfp8`, or `fp8.format=mxfp8 + fp8.lm_head=fp8` (two knobs)."""
+    changed = changed_knobs(params)
+    return " + ".join(f"{k}={v}" for k, v in changed.items()) or DEFAULT_ARM
