@@ -254,14 +254,20 @@ class VllmSpec:
     max_model_len: int | None = None
     # share of the GPU's memory vLLM may take for weights + KV cache (checked against free memory at start)
     gpu_memory_utilization: float = 0.3
-    # KV-cache bytes instead of a share of the GPU (vLLM >= 0.11's kv_cache_memory_bytes); null: use the share
+    # KV-cache bytes instead of a share of the GPU; null: on a GPU, the share above; on a CPU, the run's needs
+    # (vllm_convert.kv_cache_bytes: its rollout rows x the longest sequence), never a share of the host's RAM
     kv_cache_memory_bytes: int | None = None
     max_num_seqs: int | None = None  # sequences decoded at once (vLLM's max_num_seqs); null: vLLM's default
     tensor_parallel_size: int = 1  # GPUs one vLLM engine spans (1: one engine per rank, colocated with it)
     enforce_eager: bool = True  # no CUDA-graph capture (fast start); false: faster decoding on big models
-    # colocation with the trainer on the same GPU: enable_sleep_mode, sleep(level=1) after each
-    # generation (weights to host memory, KV cache freed) and wake_up() before the next refit
-    sleep_between_steps: bool = True
+    # colocation with the trainer on the same GPU: enable_sleep_mode, sleep after each generation (weights and
+    # KV cache released) and wake_up() before the next refit. null: on where the platform has sleep mode (CUDA),
+    # off on a CPU, where vLLM has none (true is refused there before vLLM starts)
+    sleep_between_steps: bool | None = None
+    # accept weight-only FP8 generation (FP8 weights, BF16 activations: W8A16) where vLLM runs no FP8
+    # activations (a CPU with AMX but no AMX-FP8). A different arm from the seed's FP8 generation: it enters
+    # the cell id and the report's labels; false refuses such a run before it starts (no silent downgrade)
+    fp8_weight_only: bool = False
 
     def validate(self) -> None:
         check_ranges(self, RANGES, "engines.vllm")
@@ -418,7 +424,7 @@ class RunConfig:
 # before any work. A new numeric key needs an entry (tests/fp8rl_core/config/test_ranges.py fails
 # without one); an optional key may also be null.
 RANGES: dict[str, Range] = {
-    "seed": at_least(0), "threads": at_least(0),
+    "seed": Range(0, 2**31 - 1, why="vLLM and numpy take 32-bit seeds; ranks' seeds are 31-bit too"), "threads": at_least(0),
     "fp8.bf16_first_layers": at_least(0), "fp8.bf16_last_layers": at_least(0),
     "task.digits": between(1, 9), "task.min_digits": between(1, 9), "task.val_size": at_least(1),
     "task.data_seed": at_least(0), "task.warmstart_digits": between(1, 9),

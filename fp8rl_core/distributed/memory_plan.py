@@ -393,7 +393,7 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
     vllm = cfg.engines.vllm
     return Layout(vllm=cfg.engines.generation == "vllm", vllm_max_model_len=vllm.max_model_len or 0,
                   vllm_concurrency=vllm.max_num_seqs or 0, vllm_kv_cache_bytes=vllm.kv_cache_memory_bytes or 0,
-                  vllm_tensor_parallel=vllm.tensor_parallel_size, vllm_sleep=vllm.sleep_between_steps,
+                  vllm_tensor_parallel=vllm.tensor_parallel_size, vllm_sleep=vllm.sleep_between_steps is not False,
                   trainer_sharded=cfg.engines.training == "native",
                   world_size=world_size, rows_per_step=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt,
                   prompt_tokens=prompt_tokens, max_new_tokens=cfg.rollout.max_new_tokens,

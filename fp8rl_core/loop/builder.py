@@ -84,8 +84,10 @@ def initial_checkpoint(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool
 
 def rank_seed(seed: int, rank: int) -> int:
     """Sampling seed of rank `rank`'s generation engine: the run's seed on rank 0, else a stable
-    63-bit hash of (seed, rank), so that ranks draw independent streams and a rerun draws the same."""
-    return seed if rank == 0 else random.Random(f"fp8rl-gen-{seed}-rank{rank}").getrandbits(63)
+    31-bit hash of (seed, rank), so that ranks draw independent streams and a rerun draws the same.
+    In [0, 2**31) like the run's seed (config RANGES): vLLM's worker seeds numpy with it, which takes
+    [0, 2**32) only ("Seed must be between 0 and 2**32 - 1")."""
+    return seed if rank == 0 else random.Random(f"fp8rl-gen-{seed}-rank{rank}").getrandbits(31)
 
 
 def check_data_parallel(cfg: RunConfig, mesh: Mesh) -> None:
@@ -155,7 +157,13 @@ def vllm_engine(cfg: RunConfig, model_config: Any, recipe: Recipe | None = None,
                                 vllm=cfg.engines.vllm, seed=rank_seed(cfg.seed, mesh.rank),
                                 max_new_tokens=cfg.rollout.max_new_tokens,
                                 output_dir=output_dir or cfg.output_dir, tokenizer=load_tokenizer(cfg),
-                                task=task if task is not None else make_task(cfg.task), mesh=mesh)
+                                task=task if task is not None else make_task(cfg.task), mesh=mesh,
+                                batch_rows=rollout_rows(cfg, mesh.world_size))
+
+
+def rollout_rows(cfg: RunConfig, world_size: int) -> int:
+    """Rows one rank generates per rollout: ceil(prompts_per_step * samples_per_prompt / world size)."""
+    return -(-cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // world_size)
 
 
 class BF16Evaluator(NativeGenerationEngine):
@@ -189,7 +197,7 @@ def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, 
     vLLM engine. Nothing is allocated before its first refit. `path`: unused (kept for callers)."""
     recipe = recipe_of(cfg)
     if cfg.engines.generation == "vllm":
-        rows = -(-cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // (mesh or SINGLE).world_size)
+        rows = rollout_rows(cfg, (mesh or SINGLE).world_size)
         return BF16Evaluator(model_config, recipe=recipe.in_bf16(), dtype=compute_dtype(cfg), device=device,
                              seed=rank_seed(cfg.seed, rank), emulate_bf16=emulates_bf16(cfg, device),
                              max_batch=min(cfg.engines.vllm.max_num_seqs or rows, rows))
@@ -299,9 +307,10 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
     checked = gemm_preflight(cfg, model_config, device, mesh)  # raises before any engine or FP8 step
     gen, bf16_gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
+    engine_tags = gen.tags() if hasattr(gen, "tags") else {}  # vLLM: its version, device and FP8 kernels
     ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,
-                     recipe=recipe_of(cfg), numerics={**numerics_tags(cfg, device), **checked})
+                     recipe=recipe_of(cfg), numerics={**numerics_tags(cfg, device), **checked, **engine_tags})
     ctx.refit_generation()
     return ctx

@@ -64,18 +64,19 @@ class _LLM:
         self.complete = (folder / "config.json").exists() and (folder / "model.safetensors").exists()
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        return [["weights_iterator", "is_checkpoint_format"]]  # _reload_parameters: the worker's reload_weights
+        return [["CutlassFp8BlockScaledMMKernel"]]  # _fp8_kernels: the FP8 linears' kernel (W8A8 on a GPU)
 
-    def sleep(self, level=1):
+    def sleep(self, level=1, mode="abort"):
         self.slept = level  # what the engine asked for (vLLM frees memory here; nothing to free in a fake)
 
 
 def _fake_vllm_here(rank: int) -> None:
     mod = types.ModuleType("vllm")
     mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
-    mod.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["model", "logprobs_mode", "enable_sleep_mode"])
     mod.LLM, mod.SamplingParams = _LLM, dict
-    sys.modules["vllm"] = mod
+    mod.platforms = types.ModuleType("vllm.platforms")
+    mod.platforms.current_platform = types.SimpleNamespace(device_type="cuda")
+    sys.modules["vllm"], sys.modules["vllm.platforms"] = mod, mod.platforms
     state = {"current": 0}
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 8

@@ -11,7 +11,6 @@ What vLLM 0.25.1 does that these fakes stand for (vllm_placement.py, vllm_gen.py
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import pytest
@@ -52,7 +51,7 @@ def _cfg(tmp_path, recipe: str = "bf16", **vllm):
 def test_llm_kwargs_place_one_engine_per_rank():
     """World 8 at TP 1: eight ExternalDP replicas (data_parallel_size 1: vLLM's DP would make every
     generate a collective); world 1 keeps vLLM's own executor; TP 2 at world 8 is refused with the reason."""
-    kw = dict(recipe=BF16, dtype="bfloat16", seed=0, max_model_len=40, supported=set())
+    kw = dict(recipe=BF16, dtype="bfloat16", seed=0, max_model_len=40)
     eight = conv.llm_kwargs("m", ODD, vllm=VllmSpec(), world_size=8, **kw)
     assert {k: eight[k] for k in ("distributed_executor_backend", "tensor_parallel_size",
                                   "pipeline_parallel_size", "data_parallel_size")} == {
@@ -89,7 +88,6 @@ def test_an_engine_left_on_another_device_is_an_error(fake_vllm, monkeypatch, tm
             super().__init__(**kwargs)
             torch.cuda.set_device(0)
 
-    import sys
 
     monkeypatch.setattr(sys.modules["vllm"], "LLM", UniLLM)
     engine = vllm_engine(_cfg(tmp_path), ODD, mesh=_rank(monkeypatch, 5, 8))
@@ -123,6 +121,19 @@ def test_ranks_draw_their_own_request_seeds(fake_vllm, monkeypatch, tmp_path):
     assert seeds[0] == conv.request_seeds(torch.Generator().manual_seed(4), 3)
     assert seeds[1] == conv.request_seeds(torch.Generator().manual_seed(rank_seed(4, 1)), 3)
     assert not set(seeds[0]) & set(seeds[1])
+
+
+def test_every_ranks_seed_is_inside_vllms_range():
+    """vLLM's worker seeds numpy, which takes [0, 2**32) only: every rank's seed, for any run seed the config
+    allows ([0, 2**31)), is a 31-bit number (the 63-bit ones of before raised at engine start on ranks >= 1)."""
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.config.schema import ConfigError
+
+    for seed in (0, 4, 2**31 - 1):
+        assert all(0 <= rank_seed(seed, r) < 2**31 for r in range(64))
+    assert len({rank_seed(4, r) for r in range(64)}) == 64
+    with pytest.raises(ConfigError, match="seed"):
+        load_run_config(None, [f"seed={2**31}"])
 
 
 # ---- sleep levels and the caching allocator ------------------------------------------------------------
@@ -244,8 +255,6 @@ def test_one_vllm_engine_and_a_native_bf16_evaluator_for_every_recipe(fake_vllm,
     path = _checkpoint(tmp_path)
     events: list = []
     _record_builds(monkeypatch, events, fake_vllm)
-    monkeypatch.setattr(sys.modules["vllm"], "EngineArgs", dataclasses.make_dataclass(
-        "EngineArgs", ["model", "logprobs_mode", "enable_sleep_mode", "max_num_seqs"]))  # as vLLM 0.25.1 has
     ctx = build_context(_sweep_like(tmp_path, recipe, path), progress=False, mesh=SINGLE)
     assert len(fake_vllm) == 1 and ctx.gen.llm is fake_vllm[0]  # the arm's: the process's one vLLM engine
     evaluator = ctx.bf16_gen

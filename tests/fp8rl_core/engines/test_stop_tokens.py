@@ -67,9 +67,9 @@ def test_native_engine_stops_at_either_eos_id():
 
 def test_vllm_requests_stop_on_every_id_and_outputs_cut_at_the_first():
     cfg = ModelConfig(vocab_size=128256, eos_token_id=[128001, 128008, 128009])
-    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=9), cfg.eos_ids, conv.PROCESSED)
+    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=9), cfg.eos_ids)
     assert kw["stop_token_ids"] == [128001, 128008, 128009]
-    assert "stop_token_ids" not in conv.sampling_kwargs(SamplingParams(max_new_tokens=9), (), conv.PROCESSED)
+    assert "stop_token_ids" not in conv.sampling_kwargs(SamplingParams(max_new_tokens=9), ())
 
     def request(ids):
         lps = [{t: SimpleNamespace(logprob=-0.5)} for t in ids]

@@ -64,34 +64,27 @@ def amax_scales(x: torch.Tensor) -> torch.Tensor:
 
 # ---- availability ------------------------------------------------------------------------------
 def test_availability_error_names_the_fix():
-    assert conv.availability_error(True, True) is None
-    no_vllm = conv.availability_error(False, True)
-    assert "pip install 'fp8rl[vllm]'" in no_vllm and "CUDA" not in no_vllm
-    no_cuda = conv.availability_error(True, False)
-    assert "CUDA GPU" in no_cuda and "pip install" not in no_cuda
-    both = conv.availability_error(False, False)
-    assert "pip install 'fp8rl[vllm]'" in both and "CUDA GPU" in both
+    assert conv.availability_error(True) is None
+    no_vllm = conv.availability_error(False)
+    assert "cannot run here" in no_vllm and ("fp8rl[gpu]" in no_vllm or "scripts/setup_vllm.sh" in no_vllm)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None and torch.cuda.is_available(),
-                    reason="vLLM and CUDA are both here: the engine can be built")
-def test_engine_construction_without_vllm_or_cuda_raises(tmp_path):
-    from fp8rl_core.loop.builder import vllm_engine
+def test_platform_error_names_the_build_that_fits():
+    assert conv.platform_error("cuda", True) is None and conv.platform_error("cpu", False) is None
+    assert "install the CPU build (bash scripts/setup_vllm.sh)" in conv.platform_error("cuda", False)
+    assert "install the CUDA build (pip install 'fp8rl[gpu]')" in conv.platform_error("cpu", True)
+    assert "valid: cuda, cpu" in conv.platform_error("xpu", False)
+
+
+def test_engine_construction_without_vllm_raises(tmp_path, monkeypatch):
+    from fp8rl_core.loop.builder import build_generation_engine, vllm_engine
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
 
     cfg = run_config_from_dict({"engines": {"generation": "vllm"}, "output_dir": str(tmp_path)})
-    with pytest.raises(RuntimeError, match=r"engines.generation='vllm' cannot run here") as info:
+    with pytest.raises(RuntimeError, match=r"engines.generation='vllm' cannot run here.*not installed"):
         vllm_engine(cfg, ModelConfig())
-    msg = str(info.value)
-    assert ("pip install 'fp8rl[vllm]'" in msg) == (importlib.util.find_spec("vllm") is None)
-    assert ("CUDA GPU" in msg) == (not torch.cuda.is_available())
-
-
-def test_builder_reaches_the_vllm_backend(tmp_path):
-    from fp8rl_core.loop.builder import build_generation_engine
-
-    cfg = run_config_from_dict({"engines": {"generation": "vllm"}, "output_dir": str(tmp_path)})
-    if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available():
-        pytest.skip("vLLM and CUDA are both here")
     with pytest.raises(RuntimeError, match="cannot run here"):
         build_generation_engine(cfg, ModelConfig(), "cpu")
 
@@ -186,7 +179,7 @@ def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
 
     opts = VllmSpec(gpu_memory_utilization=0.25, enforce_eager=True)
     kw = conv.llm_kwargs(tmp_path, ODD, recipe=fp8_gen(bf16_first_layers=1), dtype="bfloat16", seed=7, vllm=opts,
-                         max_model_len=40, supported={"logprobs_mode", "enable_sleep_mode"})
+                         max_model_len=40, sleep=True)
     assert kw["quantization"] == "fp8" and kw["skip_tokenizer_init"] and kw["seed"] == 7
     qc = kw["hf_overrides"]["quantization_config"]
     assert {k: qc[k] for k in conv.FP8_QUANT_CONFIG} == {
@@ -195,27 +188,55 @@ def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["max_model_len"] == 40
     assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
     assert kw["gpu_memory_utilization"] == 0.25 and "kv_cache_memory_bytes" not in kw
-    plain = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0,
-                            vllm=VllmSpec(sleep_between_steps=False), max_model_len=40, supported=set())
-    assert "quantization" not in plain and "hf_overrides" not in plain and "logprobs_mode" not in plain
-    assert "enable_sleep_mode" not in plain
+    plain = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=VllmSpec(),
+                            max_model_len=40, kv_cache_bytes=2**24)
+    assert "quantization" not in plain and "hf_overrides" not in plain and "enable_sleep_mode" not in plain
+    assert plain["kv_cache_memory_bytes"] == 2**24 and "gpu_memory_utilization" not in plain  # never a RAM share
     assert "ignored_layers" not in conv.fp8_quantization_config(ODD, FP8)
 
 
-def test_llm_kwargs_refuse_fp8_with_fp32_and_missing_engine_arguments(tmp_path):
+def test_llm_kwargs_refuse_fp8_with_fp32(tmp_path):
     from fp8rl_core.config import VllmSpec
 
     with pytest.raises(ValueError, match="model.dtype: vLLM's FP8 method runs bfloat16 / float16"):
-        conv.llm_kwargs(tmp_path, ODD, recipe=FP8, dtype="float32", seed=0, vllm=VllmSpec(),
-                        max_model_len=40, supported=set())
+        conv.llm_kwargs(tmp_path, ODD, recipe=FP8, dtype="float32", seed=0, vllm=VllmSpec(), max_model_len=40)
     kv = VllmSpec(kv_cache_memory_bytes=2**30, max_num_seqs=64, tensor_parallel_size=2, enforce_eager=False)
-    kw = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=kv,
-                         max_model_len=40, supported={"kv_cache_memory_bytes", "max_num_seqs", "enable_sleep_mode"})
+    kw = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=kv, max_model_len=40,
+                         kv_cache_bytes=kv.kv_cache_memory_bytes)
     assert (kw["kv_cache_memory_bytes"], kw["max_num_seqs"], kw["tensor_parallel_size"], kw["enforce_eager"]) \
         == (2**30, 64, 2, False)
-    with pytest.raises(ValueError, match="engines.vllm.kv_cache_memory_bytes: this vLLM has no"):
-        conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=kv,
-                        max_model_len=40, supported={"model", "max_num_seqs", "enable_sleep_mode"})
+
+
+def test_kv_cache_bytes_from_the_runs_needs():
+    # per token: K and V x 2 layers x 1 KV head x head_dim 64 x 2 bytes = 512 B; 40 tokens -> one 128-token block
+    assert conv.kv_cache_bytes(ODD, 40, 8, dtype_bytes=2) == 8 * 128 * 2 * 2 * 1 * 64 * 2
+    assert conv.kv_cache_bytes(ODD, 129, 1, dtype_bytes=4, block=16) == 144 * 2 * 2 * 1 * 64 * 4
+
+
+def test_fp8_on_a_cpu_is_refused_without_amx_and_weight_only_only_when_asked():
+    from fp8rl_core.config import VllmSpec
+
+    assert conv.fp8_cpu_error(BF16, VllmSpec(), amx_tile=False, amx_fp8=False) is None  # BF16 runs anywhere
+    no_amx = conv.fp8_cpu_error(FP8, VllmSpec(fp8_weight_only=True), amx_tile=False, amx_fp8=False)
+    assert "amx_tile" in no_amx and "valid: recipe bf16" in no_amx
+    w8a16 = conv.fp8_cpu_error(FP8, VllmSpec(), amx_tile=True, amx_fp8=False)
+    assert w8a16.startswith("engines.vllm.fp8_weight_only") and "W8A16" in w8a16
+    assert conv.fp8_cpu_error(FP8, VllmSpec(fp8_weight_only=True), amx_tile=True, amx_fp8=False) is None
+    assert conv.fp8_cpu_error(FP8, VllmSpec(), amx_tile=True, amx_fp8=True) is None  # W8A8 kernel exists there
+
+
+def test_the_kernels_vllm_chose_are_checked_and_named():
+    from fp8rl_core.config import VllmSpec
+
+    assert conv.fp8_activations([]) == "none"
+    assert conv.fp8_activations(["CPUFp8BlockScaledMMKernel"]) == "weights"
+    assert conv.fp8_activations(["CutlassFp8BlockScaledMMKernel"]) == "weights+activations"
+    assert conv.fp8_kernel_error(BF16, VllmSpec(), []) is None
+    assert "no FP8 linear kernel" in conv.fp8_kernel_error(FP8, VllmSpec(), [])
+    msg = conv.fp8_kernel_error(FP8, VllmSpec(), ["MarlinFP8ScaledMMLinearKernel"])  # a GPU's weight-only fallback
+    assert msg.startswith("engines.vllm.fp8_weight_only") and "MarlinFP8ScaledMMLinearKernel" in msg
+    assert conv.fp8_kernel_error(FP8, VllmSpec(fp8_weight_only=True), ["CPUFp8BlockScaledMMKernel"]) is None
+    assert conv.fp8_kernel_error(FP8, VllmSpec(), ["CutlassFp8BlockScaledMMKernel"]) is None
 
 
 def test_max_model_len_is_the_longest_prompt_plus_new_tokens():
@@ -249,7 +270,7 @@ def test_run_config_vllm_section_validates_and_fp8_fp32_is_refused():
 
     cfg = load_run_config(None, ["engines.generation=vllm", "engines.vllm.max_model_len=8192",
                                  "engines.vllm.gpu_memory_utilization=0.4"])
-    assert cfg.engines.vllm.max_model_len == 8192 and cfg.engines.vllm.sleep_between_steps
+    assert cfg.engines.vllm.max_model_len == 8192 and cfg.engines.vllm.sleep_between_steps is None
     for override, fragment in [("engines.vllm.gpu_memory_utilization=1.5", "engines.vllm.gpu_memory_utilization"),
                                ("engines.vllm.tensor_parallel_size=0", "engines.vllm.tensor_parallel_size"),
                                ("engines.vllm.kv_cache_memory_bytes=0", "engines.vllm.kv_cache_memory_bytes"),
@@ -262,33 +283,14 @@ def test_run_config_vllm_section_validates_and_fp8_fp32_is_refused():
     load_run_config(None, ["recipe=fp8_gen", "model.dtype=fp32"])  # native engine: fine
 
 
-def test_old_environment_variables_warn_and_are_ignored():
-    with pytest.warns(DeprecationWarning, match="engines.vllm.gpu_memory_utilization"):
-        assert conv.warn_deprecated_env({"FP8RL_VLLM_GPU_MEMORY_UTILIZATION": "0.5"}) == [
-            "FP8RL_VLLM_GPU_MEMORY_UTILIZATION"]
-    assert conv.warn_deprecated_env({}) == []
-
-
-def test_choose_refit_method():
-    assert conv.choose_refit_method(["weights_iterator", "weights_path", "is_checkpoint_format"], True) \
-        == "reload_weights"
-    assert conv.choose_refit_method(["weights_iterator", "is_checkpoint_format"], False) == "reload_weights"
-    assert conv.choose_refit_method(None, False) == "load_weights"
-    assert conv.choose_refit_method(["weights_iterator", "process_weights_after_loading"], False) == "load_weights"
-    with pytest.raises(RuntimeError, match="is_checkpoint_format"):
-        conv.choose_refit_method(None, True)
-
-
 def test_sampling_kwargs_and_seeds():
-    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=5, temperature=0.7), 2, conv.PROCESSED)
+    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=5, temperature=0.7), 2)
     assert kw == {"max_tokens": 5, "logprobs": 1, "detokenize": False, "temperature": 0.7, "stop_token_ids": [2]}
-    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=3, top_p=0.9, top_k=4), None, conv.PROCESSED)
+    kw = conv.sampling_kwargs(SamplingParams(max_new_tokens=3, top_p=0.9, top_k=4), None)
     assert kw["top_p"] == 0.9 and kw["top_k"] == 4 and "stop_token_ids" not in kw
-    greedy = conv.sampling_kwargs(SamplingParams(max_new_tokens=3, greedy=True, top_k=4), 2, "raw_logprobs")
+    greedy = conv.sampling_kwargs(SamplingParams(max_new_tokens=3, greedy=True, top_k=4), 2)
     assert greedy["temperature"] == 0.0 and "top_k" not in greedy
-    assert conv.sampling_kwargs(SamplingParams(max_new_tokens=3), 2, "raw_logprobs")["temperature"] == 1.0
-    with pytest.raises(ValueError, match="raw log-probs"):
-        conv.sampling_kwargs(SamplingParams(max_new_tokens=3, temperature=0.5), 2, "raw_logprobs")
+    assert conv.sampling_kwargs(SamplingParams(max_new_tokens=3), 2)["temperature"] == 1.0
     a = conv.request_seeds(torch.Generator().manual_seed(3), 6)
     assert a == conv.request_seeds(torch.Generator().manual_seed(3), 6) and len(set(a)) == 6
     assert all(0 <= s < 2**31 - 1 for s in a)
@@ -355,7 +357,21 @@ def test_to_generation_output_needs_logprobs():
 
 
 # ---- the engine's glue, against a fake vllm module (boundary fake: records calls, returns fakes) ------
+class CutlassFp8BlockScaledMMKernel:  # named as vLLM 0.32's CUDA block-FP8 kernel (W8A8)
+    pass
+
+
 class FakeRunner:
+    """The worker's model runner: its model holds one FP8 linear (quant_method.fp8_linear) when quantized."""
+
+    def __init__(self, fp8: bool):
+        self.model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        if fp8:
+            self.model[0].quant_method = type("Fp8LinearMethod", (), {"fp8_linear": CutlassFp8BlockScaledMMKernel()})()
+
+    def get_model(self):
+        return self.model
+
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
         raise AssertionError("called through the worker")
 
@@ -368,7 +384,8 @@ class FakeLLM:
     def __init__(self, **kwargs):
         self.kwargs, self.reloads, self.resets, self.requests, self.events = kwargs, [], 0, [], []
         self.device_at_start = torch.cuda.current_device()
-        self.worker = type("Worker", (), {"model_runner": FakeRunner(), "reload_weights": lambda *a, **k: None})()
+        self.worker = type("Worker", (), {"model_runner": FakeRunner(kwargs.get("quantization") == "fp8"),
+                                          "reload_weights": lambda *a, **k: None})()
         FakeLLM.instances.append(self)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
@@ -383,7 +400,7 @@ class FakeLLM:
         self.resets += 1
         return True
 
-    def sleep(self, level=1):
+    def sleep(self, level=1, mode="abort"):
         self.events.append(("sleep", level))
 
     def wake_up(self, tags=None):
@@ -413,10 +430,13 @@ def install_fake_vllm(monkeypatch) -> list[FakeLLM]:
 
     mod = types.ModuleType("vllm")
     mod.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
-    mod.EngineArgs = dataclasses.make_dataclass("EngineArgs", ["model", "logprobs_mode", "enable_sleep_mode"])
     mod.LLM = FakeLLM
     mod.SamplingParams = lambda **kw: kw
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(device_type="cuda")  # vLLM's CUDA build
+    mod.platforms = platforms
     monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     fake_cuda(monkeypatch)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import weakref
@@ -461,7 +481,9 @@ def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
     (llm,) = fake_vllm
     assert llm.kwargs["model"] == str(tmp_path / "vllm_checkpoint") and llm.kwargs["quantization"] == "fp8"
     assert json.loads((tmp_path / "vllm_checkpoint" / "config.json").read_text())["quantization_config"]
-    assert engine.refit_method == "reload_weights" and engine.logprobs_mode == "processed_logprobs"
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert engine.tags()["fp8rl.vllm.fp8_kernel"] == "CutlassFp8BlockScaledMMKernel"
+    assert engine.tags()["fp8rl.vllm.fp8_quantizes"] == "weights+activations"
     assert llm.reloads == [] and llm.resets == 0
     engine.refit(random_weights(ODD, seed=1))
     (sent,) = llm.reloads
@@ -615,17 +637,6 @@ def test_builder_native_order_is_unchanged(monkeypatch, tmp_path):
 
 
 # ---- the real thing (CUDA + vLLM) -----------------------------------------------------------------
-def test_vllm_accepts_our_arguments(tmp_path):
-    vllm = pytest.importorskip("vllm")
-    fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
-    from fp8rl_core.config import VllmSpec
-
-    kw = conv.llm_kwargs(tmp_path, ODD, recipe=FP8, dtype="bfloat16", seed=0,
-                         vllm=VllmSpec(), max_model_len=64, supported=fields)
-    assert set(kw) <= fields
-    vllm.SamplingParams(**conv.sampling_kwargs(SamplingParams(max_new_tokens=4), 2, conv.PROCESSED), seed=1)
-
-
 def _peaky_model(cfg: ModelConfig, seed: int) -> torch.nn.Module:
     """A random policy with O(1) logits (the 0.02 init gives a flat distribution: a weak test)."""
     from fp8rl_core.model import build_model
@@ -682,6 +693,6 @@ def test_vllm_engine_matches_training_engine_and_refits(recipe, tmp_path):
     finally:
         gen.close()
     print(f"{recipe}: token_mult_prob_error before refit {before:.5f}, after {after:.5f} "
-          f"(refit via {gen.refit_method}, logprobs {gen.logprobs_mode})")
+          f"({gen.tags()})")
     assert before < 1.05 and after < 1.05
     assert not torch.equal(out2.response_ids, out.response_ids)
