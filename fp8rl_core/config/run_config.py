@@ -424,7 +424,8 @@ class RunConfig:
 # before any work. A new numeric key needs an entry (tests/fp8rl_core/config/test_ranges.py fails
 # without one); an optional key may also be null.
 RANGES: dict[str, Range] = {
-    "seed": Range(0, 2**31 - 1, why="vLLM and numpy take 32-bit seeds; ranks' seeds are 31-bit too"), "threads": at_least(0),
+    "seed": Range(0, 2**31 - 1, why="vLLM and numpy take 32-bit seeds; ranks' seeds are 31-bit too"),
+    "threads": at_least(0),
     "fp8.bf16_first_layers": at_least(0), "fp8.bf16_last_layers": at_least(0),
     "task.digits": between(1, 9), "task.min_digits": between(1, 9), "task.val_size": at_least(1),
     "task.data_seed": at_least(0), "task.warmstart_digits": between(1, 9),

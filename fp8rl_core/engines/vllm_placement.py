@@ -1,6 +1,7 @@
-"""Where vLLM engines run on a cell of W ranks: one engine per rank, on that rank's GPU (pure; no vLLM import).
+"""Where vLLM engines run on a cell of W ranks: one engine per rank, on that rank's GPU or CPU (pure; no vLLM import).
 
-Placement (world size W > 1, vLLM 0.25.1): every rank runs its own in-process `vllm.LLM` with
+Placement (world size W > 1, vLLM 0.32; re-read for 0.32 in the files named here): every rank runs its own
+in-process `vllm.LLM` with
 `distributed_executor_backend="external_launcher"`. Its executor (v1/executor/uniproc_executor.py,
 ExecutorWithExternalLauncher._distributed_args) takes rank and device from RANK / LOCAL_RANK, and the
 GPU worker (v1/worker/gpu_worker.py, Worker.init_device) makes cuda:LOCAL_RANK current. The default
@@ -8,7 +9,7 @@ GPU worker (v1/worker/gpu_worker.py, Worker.init_device) makes cuda:LOCAL_RANK c
 and then every rank's FSDP2 shards would land on GPU 0. vLLM's world with this backend is
 TP x PP x DP (config/parallel.py, ParallelConfig.__post_init__) and joins the torch.distributed group
 that is already up (distributed/parallel_state.py, init_distributed_environment: no second init);
-initialize_model_parallel lays the torch world out as ExternalDP x DP x PP x TP, where "every
+initialize_model_parallel lays the torch world out as ExternalDP x DP x PP x PCP x TP, where "every
 ExternalDP rank can generate independently" while "all the ranks in the same DP group should generate
 simultaneously ... otherwise it will cause deadlock". We map W ranks at TP = 1 to W ExternalDP
 replicas: tensor_parallel_size = pipeline_parallel_size = data_parallel_size = 1 per engine. vLLM's
@@ -18,7 +19,9 @@ has_unfinished_requests_dp), so every generate would be a collective, while our 
 different GRPO groups and validation generates on rank 0 alone. TP > 1 at W > 1 is refused: the ranks of
 a TP group must send identical prompts and seeds (ExecutorWithExternalLauncher's docstring), which our
 data-parallel split by whole GRPO groups does not do. At W = 1 nothing is set (vLLM's `uni` executor,
-or `mp` for TP > 1, as before).
+or `mp` for TP > 1, as before). On a CPU the same backend runs vLLM's CPUWorker (v1/worker/cpu_worker.py, a
+subclass of the GPU worker) over gloo, joining our gloo group (tests/fp8rl_core/engines/test_vllm_real.py
+runs two ranks); the device checks below are CUDA's only.
 """
 from __future__ import annotations
 

@@ -168,7 +168,8 @@ def rollout_rows(cfg: RunConfig, world_size: int) -> int:
 
 class BF16Evaluator(NativeGenerationEngine):
     """engines.generation vllm: the engine-neutral evaluation engine, the native generation engine in BF16
-    (vLLM 0.25.1 runs one sleep-mode engine per process, engines/vllm_gen.py). It holds weights only from a
+    (vLLM runs one sleep-mode engine per process on a GPU, engines/vllm_gen.py; on a CPU, one engine keeps
+    the evaluator the same for every arm). It holds weights only from a
     refit (validation's, RunContext.bf16_engine) to `sleep(level=2)` (after the evaluation; at once on the
     ranks that do not validate), so a rollout never finds it on the GPU; and it decodes at most `max_batch`
     sequences at once (validation's batch, loop/run.py), so its KV cache is no larger than vLLM's pool."""

@@ -22,9 +22,8 @@ import torch
 from fp8rl_core.fp8 import cpu_features
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from _ranks import run_ranks  # noqa: E402
-
 import _vllm_real as real  # noqa: E402
+from _ranks import run_ranks  # noqa: E402
 
 MISMATCH_BOUND = 1.04  # token_mult_prob_error, vLLM BF16 vs a BF16 rescoring of the same weights
 MAX_ABS_BOUND = 0.25  # the largest |delta log p| of one token
