@@ -180,10 +180,10 @@ def resolve_max_model_len(spec: VllmSpec, longest_prompt: int, max_new_tokens: i
 def free_memory_error(free: int, total: int, spec: VllmSpec) -> str | None:
     """Why vLLM cannot start on a GPU with `free` of `total` bytes free, or None.
 
-    vLLM refuses to start unless gpu_memory_utilization x total bytes are free (its start-up check);
-    with kv_cache_memory_bytes the KV cache is sized in bytes instead and nothing is checked here.
-    """
-    if spec.kv_cache_memory_bytes is not None or total <= 0:
+    vLLM 0.32 refuses to start unless gpu_memory_utilization x total bytes are free (v1/worker/utils.py
+    request_memory, called by Worker.init_device whether or not kv_cache_memory_bytes is set: that key
+    sizes the KV cache, the share still bounds the worker)."""
+    if total <= 0:
         return None
     need = spec.gpu_memory_utilization * total
     if free >= need:
@@ -214,12 +214,14 @@ def fp8_quantization_config(config: ModelConfig, recipe: Recipe) -> dict[str, An
 
 def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, dtype: str,
                seed: int, vllm: VllmSpec, max_model_len: int, kv_cache_bytes: int | None = None,
-               sleep: bool = False, world_size: int = 1) -> dict[str, Any]:
+               sleep: bool = False, world_size: int = 1, device: str = "cuda") -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` (vLLM 0.32's EngineArgs) for our checkpoint folder.
 
     dtype: "bfloat16" | "float32" (the run's model.dtype; FP8 needs bfloat16/float16); vllm: the run
     config's engines.vllm; max_model_len: resolve_max_model_len's; kv_cache_bytes: the KV cache in bytes
-    (None: gpu_memory_utilization, the GPU's share); sleep: enable_sleep_mode (colocation on a GPU).
+    (None: what gpu_memory_utilization leaves); sleep: enable_sleep_mode (colocation on a GPU); device:
+    "cuda" passes gpu_memory_utilization always (vLLM checks it at start even with KV bytes), "cpu" never
+    (there it is a share of the node's RAM) and needs kv_cache_bytes.
     Tokenizer init is skipped: prompts arrive as token ids and the EOS ids are stop token ids.
     world_size: the cell's ranks; above 1, vllm_placement.placement_kwargs (one engine per rank).
     """
@@ -231,10 +233,13 @@ def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, d
         "max_model_len": int(max_model_len), "enforce_eager": vllm.enforce_eager,
         "tensor_parallel_size": int(vllm.tensor_parallel_size), "logprobs_mode": PROCESSED,
     }
+    if device == "cuda":
+        kw["gpu_memory_utilization"] = vllm.gpu_memory_utilization
+    elif kv_cache_bytes is None:
+        raise ValueError("vLLM on a CPU needs the KV cache in bytes (vllm_convert.kv_cache_bytes): its "
+                         "gpu_memory_utilization is a share of the node's RAM")
     if kv_cache_bytes is not None:
         kw["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-    else:
-        kw["gpu_memory_utilization"] = vllm.gpu_memory_utilization
     if vllm.max_num_seqs is not None:
         kw["max_num_seqs"] = int(vllm.max_num_seqs)
     if sleep:

@@ -33,8 +33,9 @@ Settings: the run config's `engines.vllm` section (fp8rl_core/config/run_config.
 is bounded by max_model_len = the task's longest prompt + rollout.max_new_tokens unless set (never the
 model's 131072 positions). Its size: engines.vllm.kv_cache_memory_bytes; unset, on a CPU the run's needs
 (vllm_convert.kv_cache_bytes: this rank's rollout rows x max_model_len in 128-token blocks; on a CPU
-gpu_memory_utilization is a share of the node's RAM for the whole worker, vLLM 0.32 platforms/cpu.py), on a
-GPU gpu_memory_utilization, checked against the GPU's free memory (vLLM's own start-up check, fix named).
+gpu_memory_utilization is a share of the node's RAM for the whole worker, and is not passed), on a GPU what
+gpu_memory_utilization leaves. On a GPU that share is checked against the free memory before vLLM starts,
+with or without KV bytes, as vLLM 0.32 itself does (v1/worker/utils.py request_memory), fix named.
 
 Process-wide effects of an in-process vLLM (vLLM 0.32), which the run lives with:
 - its worker seeds the global RNGs (torch, numpy, random) with the engine's seed at start and draws from
@@ -272,7 +273,7 @@ class VllmGenerationEngine:
                                  dtype="bfloat16" if self.dtype == torch.bfloat16 else "float32",
                                  seed=self.seed, vllm=self.spec, max_model_len=self.max_model_len,
                                  kv_cache_bytes=self._kv_cache_bytes(), sleep=self.sleep_mode,
-                                 world_size=self.mesh.world_size)
+                                 world_size=self.mesh.world_size, device=self.device)
         if self.sleep_mode and _SLEEP_MODE_ENGINES:
             raise RuntimeError(
                 "engines.vllm.sleep_between_steps: a second vLLM engine with sleep mode in this process cannot "
@@ -281,7 +282,7 @@ class VllmGenerationEngine:
                 "v1/worker/gpu_worker.py); valid: one vLLM engine per process (the run's BF16 evaluation engine is "
                 "native, loop/builder.py BF16Evaluator), close() the first, or engines.vllm.sleep_between_steps=false")
         device = self._set_device()
-        if self.device == "cuda" and kwargs.get("kv_cache_memory_bytes") is None:
+        if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
             error = conv.free_memory_error(free, total, self.spec)
             if error:

@@ -121,7 +121,7 @@ def main_engine(mesh, tmp: str) -> dict:
     result["scores"] = rescore(trainer, model_dir, first)
     fields = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     kw = llm_kwargs(model_dir, TINY, recipe=gen.recipe, dtype="bfloat16", seed=0, vllm=cfg.engines.vllm,
-                    max_model_len=64, kv_cache_bytes=2**24, sleep=True, world_size=2)
+                    max_model_len=64, kv_cache_bytes=2**24, sleep=True, world_size=2)  # a GPU's, the most keys
     result["unknown_engine_args"] = sorted(set(kw) - fields)
     train_a_little(trainer, first)
     gen.refit(trainer.weights())

@@ -2,7 +2,8 @@
 fakes: a fake `vllm` module (test_vllm_gen.FakeLLM: records arguments, sleeps, wake-ups, reloads) and
 torch.cuda's functions faked (test_vllm_gen.fake_cuda: 8 devices, a current device, empty_cache).
 
-What vLLM 0.25.1 does that these fakes stand for (vllm_placement.py, vllm_gen.py "Colocation"):
+What vLLM 0.32's CUDA build does that these fakes stand for (vllm_placement.py, vllm_gen.py "Colocation";
+its CPU build runs for real in test_vllm_real.py):
 - the `uni` executor puts every engine on cuda:0 and makes it current; `external_launcher` takes
   RANK / LOCAL_RANK from the environment and makes cuda:LOCAL_RANK current;
 - sleep(level=2) discards weights and KV cache (buffers saved and restored by the worker), level 1 copies
@@ -248,7 +249,7 @@ def _weight_tensors(engine) -> set[str]:
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_gen", "fp8_e2e"])
 def test_one_vllm_engine_and_a_native_bf16_evaluator_for_every_recipe(fake_vllm, monkeypatch, tmp_path, recipe):
-    """vLLM 0.25.1 runs one sleep-mode engine per process (CuMemAllocator), so the engine-neutral evaluation
+    """vLLM runs one sleep-mode engine per process on a GPU (CuMemAllocator), so the engine-neutral evaluation
     (val_accuracy_bf16_eval) runs on the native generation engine in BF16, for every arm alike (bf16
     included: its own vLLM engine would be another evaluator than the FP8 arms'). It holds no weights until
     validation refits it, and gives them back at sleep(level=2)."""

@@ -189,9 +189,15 @@ def test_llm_kwargs_for_fp8_and_bf16(tmp_path):
     assert kw["enable_sleep_mode"] is True and kw["tensor_parallel_size"] == 1
     assert kw["gpu_memory_utilization"] == 0.25 and "kv_cache_memory_bytes" not in kw
     plain = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=VllmSpec(),
-                            max_model_len=40, kv_cache_bytes=2**24)
+                            max_model_len=40, kv_cache_bytes=2**24, device="cpu")
     assert "quantization" not in plain and "hf_overrides" not in plain and "enable_sleep_mode" not in plain
     assert plain["kv_cache_memory_bytes"] == 2**24 and "gpu_memory_utilization" not in plain  # never a RAM share
+    with pytest.raises(ValueError, match="on a CPU needs the KV cache in bytes"):
+        conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=VllmSpec(), max_model_len=40,
+                        device="cpu")
+    gpu = conv.llm_kwargs(tmp_path, ODD, recipe=BF16, dtype="bfloat16", seed=0, vllm=VllmSpec(), max_model_len=40,
+                          kv_cache_bytes=2**24)
+    assert gpu["gpu_memory_utilization"] == 0.3 and gpu["kv_cache_memory_bytes"] == 2**24  # the share bounds it
     assert "ignored_layers" not in conv.fp8_quantization_config(ODD, FP8)
 
 
@@ -261,7 +267,8 @@ def test_free_memory_check_names_the_knob():
     assert conv.free_memory_error(60 * gib, 80 * gib, VllmSpec(gpu_memory_utilization=0.5)) is None
     msg = conv.free_memory_error(30 * gib, 80 * gib, VllmSpec(gpu_memory_utilization=0.5))
     assert "engines.vllm.gpu_memory_utilization=0.5" in msg and "valid: <= 0.36" in msg
-    assert conv.free_memory_error(1, 80 * gib, VllmSpec(kv_cache_memory_bytes=gib)) is None
+    # vLLM 0.32 checks the share at start even when the KV cache is given in bytes (request_memory)
+    assert "gpu_memory_utilization=0.5" in conv.free_memory_error(1, 80 * gib, VllmSpec(kv_cache_memory_bytes=gib))
 
 
 def test_run_config_vllm_section_validates_and_fp8_fp32_is_refused():
