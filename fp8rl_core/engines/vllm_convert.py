@@ -192,8 +192,8 @@ def free_memory_error(free: int, total: int, spec: VllmSpec) -> str | None:
     gib = 2**30
     return (f"engines.vllm.gpu_memory_utilization={spec.gpu_memory_utilization}: vLLM needs {need / gib:.1f} GiB "
             f"free at start, the GPU has {free / gib:.1f} of {total / gib:.1f} GiB free (the trainer and the "
-            f"reference are already resident); valid: <= {fits:.2f}, or engines.vllm.kv_cache_memory_bytes, or "
-            "more ranks / parallel.cpu_offload so that the trainer holds less")
+            f"reference are already resident); valid: <= {fits:.2f} (with engines.vllm.kv_cache_memory_bytes to "
+            "size the KV cache), or more ranks / parallel.cpu_offload so that the trainer holds less")
 
 
 def fp8_weight_names(config: ModelConfig, recipe: Recipe) -> list[str]:

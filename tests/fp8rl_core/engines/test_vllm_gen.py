@@ -268,7 +268,7 @@ def test_free_memory_check_names_the_knob():
     msg = conv.free_memory_error(30 * gib, 80 * gib, VllmSpec(gpu_memory_utilization=0.5))
     assert "engines.vllm.gpu_memory_utilization=0.5" in msg and "valid: <= 0.36" in msg
     # vLLM 0.32 checks the share at start even when the KV cache is given in bytes (request_memory)
-    assert "gpu_memory_utilization=0.5" in conv.free_memory_error(1, 80 * gib, VllmSpec(kv_cache_memory_bytes=gib))
+    assert "gpu_memory_utilization=0.3" in conv.free_memory_error(1, 80 * gib, VllmSpec(kv_cache_memory_bytes=gib))
 
 
 def test_run_config_vllm_section_validates_and_fp8_fp32_is_refused():
