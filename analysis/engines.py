@@ -41,7 +41,6 @@ sha256, tracking URI, parent run, git commit, date).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import Counter, defaultdict
@@ -60,7 +59,7 @@ from analysis.aggregate import Curve, align, mean_ci  # noqa: E402
 from analysis.claims import VERDICT, ClaimResult, compare, jsonable, ratio_text  # noqa: E402
 from analysis.config import AnalysisConfig  # noqa: E402
 from analysis.engine_arms import NATIVE, VLLM, EngineArm, arm_of, expected_pairs  # noqa: E402
-from analysis.fetch import RunHistory, SweepData, fetch_sweep  # noqa: E402
+from analysis.fetch import RunHistory, SweepData  # noqa: E402
 from analysis.figures import (  # noqa: E402
     ACCEPTABLE,
     _draw_floor,
@@ -73,7 +72,7 @@ from analysis.figures import (  # noqa: E402
     save,
 )
 from analysis.kernels import only_kernels  # noqa: E402
-from analysis.links import ARTIFACT_DIR, ui_link  # noqa: E402
+from analysis.links import ui_link  # noqa: E402
 from analysis.numerics import provenance  # noqa: E402
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL  # noqa: E402
 from fp8rl_core.tracking import M_MISMATCH, TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM, TAG_SEED  # noqa: E402
@@ -371,8 +370,8 @@ def engines_figure(result: EnginesResult, runs: Sequence[RunHistory], sweep_name
         _draw_floor(ax, floor, [])
     real = [o for o in result.orderings if o.metric == MISMATCH and (result.arm(o.low).real_engine
                                                                      or result.arm(o.high).real_engine)]
-    order = " · ".join(f"{o.low} < {o.high} in {o.below}/{o.n} seeds" for o in real)
-    note = ci_note(cs) + ("\nper-run medians, paired by seed: " + order if order else "")
+    order = "".join(f"\n  {o.low} < {o.high} in {o.below}/{o.n} seeds" for o in real)
+    note = ci_note(cs) + ("\nper-run median token_mult_prob_error, paired by seed:" + order if order else "")
     _finish(ax, "Figure 1 · Generation vs training mismatch, per recipe · generation engine",
             f"sweep {sweep_name or '?'} · {len(result.runs)} runs · trainer: native in every arm", "RL step",
             "token_mult_prob_error  (log scale of ratio − 1)", note, "recipe · generation engine")
@@ -466,54 +465,24 @@ def make_engines_report(uri: str, experiment: str, sweep_name: str, out_dir: str
                         config: AnalysisConfig | None = None, cell_ids: Collection[str] | None = None,
                         sweep_file: str | Path | None = None) -> EnginesReport:
     """Fetch the sweep's child runs, analyze, write, and log the files under `report/` of the parent run."""
+    from analysis.entry import fetch_runs, log_files
+
     cfg = config or AnalysisConfig()
-    data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id, cell_ids=cell_ids)
-    if not data.runs:
-        raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet")
+    data = fetch_runs(uri, experiment, sweep_name, parent_run_id, cell_ids)
     result = analyze(data.runs, cfg)
     rep = write_engines(result, data.runs, cfg, out_dir, provenance(data, sweep_file, experiment), data)
     if log_artifacts and data.parent_run_id:
-        from fp8rl_core.tracking.store import Store
-
-        client = Store(uri)
-        for path in rep.files():
-            client.log_artifact(data.parent_run_id, str(path), ARTIFACT_DIR)
+        log_files(uri, data.parent_run_id, rep.files())
         rep.logged_to = data.parent_run_id
     return rep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m analysis.engines SWEEP_FILE`: the experiment, tracking URI, parent run and cells come from the
-    sweep file, as `sweep report` reads them."""
-    p = argparse.ArgumentParser(prog="python -m analysis.engines", description=__doc__.split("\n\n")[0])
-    p.add_argument("file", help="the sweep file, e.g. sweeps/fp8_vllm_cpu.yaml")
-    p.add_argument("--out", help="output folder (default <sweep folder>/report, as `sweep report`)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default the sweep file's tracking.uri)")
-    p.add_argument("--no-log", action="store_true", help="do not log the files to the sweep's parent run")
-    args = p.parse_args(argv)
-    from fp8rl_core.tracking.runs import find_parent_run
-    from launchers.plan.grid import expand_grid
-    from launchers.sweepfile.loading import load_sweep
+    """`python -m analysis.engines SWEEP_FILE`: the experiment, tracking URI, parent run, cells and `analysis:`
+    block come from the sweep file, as `sweep report` reads them (`analysis.entry`)."""
+    from analysis.entry import sweep_file_main
 
-    sweep = load_sweep(args.file)
-    uri = args.tracking_uri or sweep.tracking_uri()
-    parent = find_parent_run(uri, sweep.experiment, sweep.experiment)
-    if parent is None:
-        print(f"analysis.engines: no runs of sweep {sweep.experiment!r} at {uri}; run it first", file=sys.stderr)
-        return 1
-    cfg = AnalysisConfig.from_dict(sweep.spec.analysis)
-    try:
-        rep = make_engines_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report", parent,
-                                  log_artifacts=not args.no_log, config=cfg,
-                                  cell_ids=[c.id for c in expand_grid(sweep).cells], sweep_file=args.file)
-    except ValueError as e:
-        print(f"analysis.engines: {e}", file=sys.stderr)
-        return 1
-    print(rep.verdicts_text)
-    print(f"\nreport: {rep.report}")
-    for path in rep.files()[1:]:
-        print(f"  {path}")
-    return 0
+    return sweep_file_main(argv, "analysis.engines", __doc__, make_engines_report)
 
 
 if __name__ == "__main__":
