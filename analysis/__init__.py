@@ -16,7 +16,10 @@ of improvement), `config` (`AnalysisConfig`: margin, α, bootstrap, the deciding
 band `analysis.episodes`, their rate per arm), `episode_report` (the flagged runs, rates and the
 sensitivity line: the claims without the flagged runs), `rleval` (IQM and P(X > Y) tables), `verdicts`
 (the claims table for the terminal, JSON and Markdown), `report` (all of it, logged to the sweep's
-parent run). `synthetic` makes sweeps with known effects for tests and demos.
+parent run). `synthetic` makes sweeps with known effects for tests and demos. The studies beside the
+claims (`analysis.kind`): `numerics` (+ `numerics_arms`, `numerics_episodes`), each knob against the default
+recipe; `engines` (+ `engine_arms`), Figure 1 per recipe · generation engine ("bf16 · vLLM"); `entry` is their
+shared `python -m analysis.<study> SWEEP_FILE` entry point.
 """
 from __future__ import annotations
 

@@ -21,7 +21,10 @@ Fields (all optional in the sweep file):
   before the study runs; the report shows claims 3–4 on the other metric too, marked not deciding.
 - `kind` (default `claims`): what the report stage (`sweep run`, `sweep report`, `analysis.report.make_report`)
   writes: `claims` the ablation's figures, tables and claims 1–4; `numerics` the numerics study's
-  per-knob paired effects against the default recipe (`analysis.numerics`, Figure 3). `to_dict` leaves it
+  per-knob paired effects against the default recipe (`analysis.numerics`, Figure 3); `engines` the engine
+  arms' mismatch, paired by seed (`analysis.engines`: Figure 1 per recipe · generation engine, e.g.
+  "bf16 · vLLM", the per-run medians, the ordering fractions, claims 1–2 against the real-kernel
+  baseline). `to_dict` leaves it
   out while it is `claims`, so a claims report's files are what they were before the key existed.
 - `episodes` (a nested mapping, `EpisodeBand`; default: the band below, so every report flags
   instability episodes even when the sweep file has no `episodes:` block): `mismatch_above` (1.1: a step
@@ -44,8 +47,8 @@ from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 SECTION = "analysis"
 ACCURACY_METRICS = (M_VAL_ACC, M_VAL_ACC_BF16_EVAL)  # accuracy_metric's allowed values
 ACCURACY_LABELS = {M_VAL_ACC: "val accuracy", M_VAL_ACC_BF16_EVAL: "val accuracy, BF16 eval engine"}
-CLAIMS, NUMERICS = "claims", "numerics"
-KINDS = (CLAIMS, NUMERICS)  # kind's allowed values
+CLAIMS, NUMERICS, ENGINES = "claims", "numerics", "engines"
+KINDS = (CLAIMS, NUMERICS, ENGINES)  # kind's allowed values
 CHOICES = {"accuracy_metric": ACCURACY_METRICS, "kind": KINDS}  # the string fields and their allowed values
 EPISODES = "episodes"  # the nested mapping's key in `analysis:`
 

@@ -54,7 +54,6 @@ verdict changes without the flagged runs (the sensitivity line), and tags the ch
 """
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import hashlib
 import json
@@ -77,10 +76,10 @@ from analysis.aggregate import final_value  # noqa: E402
 from analysis.claims import jsonable  # noqa: E402
 from analysis.config import ACCURACY_METRICS, AnalysisConfig  # noqa: E402
 from analysis.episode_report import tag_runs  # noqa: E402
-from analysis.fetch import RunHistory, SweepData, fetch_sweep  # noqa: E402
+from analysis.fetch import RunHistory, SweepData  # noqa: E402
 from analysis.figures import EPISODE_LABEL, EPISODE_MARKER, save  # noqa: E402
 from analysis.kernels import only_kernels  # noqa: E402
-from analysis.links import ARTIFACT_DIR, ui_link
+from analysis.links import ui_link
 from analysis.numerics_arms import (  # noqa: E402
     DEFAULT_ARM,
     HIGHER,
@@ -537,56 +536,25 @@ def make_numerics_report(uri: str, experiment: str, sweep_name: str, out_dir: st
     """Fetch the sweep's child runs (one search, histories in bulk), analyze, write, and log the files
     under `report/` of the parent run (as `make_report` does)."""
 
+    from analysis.entry import fetch_runs, log_files
+
     cfg = config or AnalysisConfig()
-    data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id, cell_ids=cell_ids)
-    if not data.runs:
-        raise ValueError(f"sweep {sweep_name!r} in experiment {experiment!r} at {uri} has no child runs yet")
+    data = fetch_runs(uri, experiment, sweep_name, parent_run_id, cell_ids)
     result = analyze(data.runs, cfg)
     rep = write_numerics(result, cfg, out_dir, provenance(data, sweep_file, experiment), data)
     if log_artifacts and data.parent_run_id:
-        from fp8rl_core.tracking.store import Store
-
-        client = Store(uri)
-        for path in rep.files():
-            client.log_artifact(data.parent_run_id, str(path), ARTIFACT_DIR)
+        client = log_files(uri, data.parent_run_id, rep.files())
         tag_runs(client, result.episodes.runs if result.episodes else [])  # as the claims report tags them
         rep.logged_to = data.parent_run_id
     return rep
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m analysis.numerics SWEEP_FILE`: the experiment, tracking URI, parent run, cells and
-    `analysis:` block come from the sweep file, as `sweep report` reads them."""
-    p = argparse.ArgumentParser(prog="python -m analysis.numerics", description=__doc__.split("\n\n")[0])
-    p.add_argument("file", help="the sweep file, e.g. sweeps/fp8_numerics.yaml")
-    p.add_argument("--out", help="output folder (default <sweep folder>/report, as `sweep report`)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default the sweep file's tracking.uri)")
-    p.add_argument("--no-log", action="store_true", help="do not log the files to the sweep's parent run")
-    args = p.parse_args(argv)
-    from fp8rl_core.tracking.runs import find_parent_run
-    from launchers.plan.grid import expand_grid
-    from launchers.sweepfile.loading import load_sweep
+    """`python -m analysis.numerics SWEEP_FILE`: the experiment, tracking URI, parent run, cells and `analysis:`
+    block come from the sweep file, as `sweep report` reads them (`analysis.entry`)."""
+    from analysis.entry import sweep_file_main
 
-    sweep = load_sweep(args.file)
-    uri = args.tracking_uri or sweep.tracking_uri()
-    parent = find_parent_run(uri, sweep.experiment, sweep.experiment)
-    if parent is None:
-        print(f"analysis.numerics: no runs of sweep {sweep.experiment!r} at {uri}; run it first", file=sys.stderr)
-        return 1
-    cell_ids = None if sweep.spec.search is not None else [c.id for c in expand_grid(sweep).cells]
-    cfg = AnalysisConfig.from_dict(sweep.spec.analysis)
-    try:
-        rep = make_numerics_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report",
-                                   parent, log_artifacts=not args.no_log, config=cfg, cell_ids=cell_ids,
-                                   sweep_file=args.file)
-    except ValueError as e:
-        print(f"analysis.numerics: {e}", file=sys.stderr)
-        return 1
-    print(rep.verdicts_text)
-    print(f"\nreport: {rep.report}")
-    for path in rep.files()[1:]:
-        print(f"  {path}")
-    return 0
+    return sweep_file_main(argv, "analysis.numerics", __doc__, make_numerics_report)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from analysis.claims import ClaimResult, check_claims, other_accuracy_claims
-from analysis.config import ACCURACY_METRICS, NUMERICS, AnalysisConfig
+from analysis.config import ACCURACY_METRICS, ENGINES, NUMERICS, AnalysisConfig
 from analysis.episode_report import EpisodeSection, episode_section, tag_runs
 from analysis.eval_offset import offset_markdown, offset_rows
 from analysis.fetch import SweepData, fetch_sweep
@@ -55,6 +55,7 @@ from analysis.verdicts import format_verdicts, verdicts_json, verdicts_markdown
 CLAIM_TAG = "fp8rl.claim.{}"
 
 if TYPE_CHECKING:
+    from analysis.engines import EnginesReport
     from analysis.numerics import NumericsReport
 
 
@@ -179,18 +180,24 @@ def _log_to_parent(uri: str, paths: ReportPaths) -> None:
 
 def make_report(uri: str, experiment: str, sweep_name: str, out_dir: str | Path, parent_run_id: str | None = None,
                 log_artifacts: bool = True, config: AnalysisConfig | None = None,
-                cell_ids: Collection[str] | None = None) -> ReportPaths | NumericsReport:
+                cell_ids: Collection[str] | None = None) -> ReportPaths | NumericsReport | EnginesReport:
     """Write figures, tables, claims and `report.md` to `out_dir`; log them to the sweep's parent run.
     `cell_ids`: the sweep file's current cells (None: every child run). The returned paths carry the
     verdicts: `.verdicts_text` (terminal) and `.verdicts` (JSON-ready). With `config.kind` numerics the
     numerics study's report instead (`analysis.numerics.make_numerics_report`: a `NumericsReport`, which has
-    `.report`, `.files()`, `.verdicts_text`, `.verdicts`, `.ui_link` and `.logged_to` too)."""
+    `.report`, `.files()`, `.verdicts_text`, `.verdicts`, `.ui_link` and `.logged_to` too); with `engines` the
+    engine study's (`analysis.engines.make_engines_report`: an `EnginesReport`, the same attributes)."""
     cfg = config or AnalysisConfig()
     if cfg.kind == NUMERICS:  # the numerics study: per-knob paired effects, not claims (same duck-typed result)
         from analysis.numerics import make_numerics_report
 
         return make_numerics_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id,
                                     log_artifacts=log_artifacts, config=cfg, cell_ids=cell_ids)
+    if cfg.kind == ENGINES:  # the engine study: arms are recipe · generation engine (bf16 · vLLM), not recipe × IS
+        from analysis.engines import make_engines_report
+
+        return make_engines_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id,
+                                   log_artifacts=log_artifacts, config=cfg, cell_ids=cell_ids)
     data = fetch_sweep(uri, experiment, sweep_name=sweep_name, parent_run_id=parent_run_id, cell_ids=cell_ids)
     if not data.runs:
         stale = f" ({data.stale_runs} of an earlier version of the sweep file left out)" if data.stale_runs else ""

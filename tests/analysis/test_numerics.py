@@ -230,9 +230,10 @@ def test_config_kind():
     assert AnalysisConfig().kind == "claims" and "kind" not in AnalysisConfig().to_dict()  # claims.json unchanged
     numerics = AnalysisConfig.from_dict({"kind": "numerics"})
     assert numerics.to_dict()["kind"] == "numerics" and AnalysisConfig.from_dict(numerics.to_dict()) == numerics
-    with pytest.raises(ValueError, match=r"analysis\.kind: 'numeric' is invalid; expected one of: claims, numerics"):
+    with pytest.raises(ValueError,
+                       match=r"analysis\.kind: 'numeric' is invalid; expected one of: claims, numerics, engines"):
         AnalysisConfig.from_dict({"kind": "numeric"})
-    with pytest.raises(ValueError, match=r"analysis\.kind: expected one of: claims, numerics; got 3"):
+    with pytest.raises(ValueError, match=r"analysis\.kind: expected one of: claims, numerics, engines; got 3"):
         AnalysisConfig.from_dict({"kind": 3})
 
 
