@@ -25,7 +25,9 @@ What it does (the pure decisions live in vllm_convert.py, tested without vLLM):
    (vLLM 0.32: v1/worker/gpu_model_runner.py GPUModelRunner.reload_weights, explicit parameters, which the
    CPU runner inherits; the worker wraps it as Worker.reload_weights(*args, **kwargs); the layerwise reload
    is model_executor/model_loader/reload/inplace.py); then the prefix cache is reset, since cached KV
-   blocks were computed with the old weights;
+   blocks were computed with the old weights. vLLM logs "RotaryEmbedding: Failed to load weights" at each
+   refit: its RoPE cos/sin cache counts as loadable and we never send it (it does not train), so the
+   layerwise reload puts its own back (reload/layerwise.py); the refit test checks the result bit for bit;
 4) `generate` sends token-id prompts with one seeded vllm.SamplingParams per request (seeds drawn
    from `self.generator`) and converts the RequestOutputs to GenerationOutput.
 
