@@ -320,6 +320,13 @@ class ParallelSpec:
     # false: keep each block's gathered weights from the step's first forward to its last backward: one
     # all-gather per block and step instead of two per micro-batch, a full weight copy per rank meanwhile
     reshard_after_forward: bool = True
+    # FSDP2's MixedPrecisionPolicy. none: the FP32 masters are all-gathered and autocast casts them per op.
+    # bf16: param_dtype bf16 (half the all-gather bytes and gathered memory), reduce_dtype fp32 (gradients
+    # reduce-scattered in FP32). The forward is the same (autocast already ran the linears, head and norms'
+    # products on the BF16 rounding of the masters; RMSNorm takes its statistics in FP32 from x either way);
+    # gradients of a weight used twice (tied embeddings, the embedding's repeated tokens) then accumulate
+    # in BF16, so it is a cell of its own. World size 1 has no FSDP: no effect there.
+    mixed_precision: Literal["none", "bf16"] = "none"
 
     def validate(self) -> None:
         check_ranges(self, RANGES, "parallel")
@@ -388,10 +395,28 @@ class RunConfig:
             fail("train.padding_free", f"runs in the native training engine only; engines.training is "
                                        f"{self.engines.training!r}", "false, or engines.training native")
         self._check_guard()
+        self._check_mixed_precision()
         if self.engines.generation == "vllm" and RECIPES[self.recipe].fp8_generation and self.model.dtype == "fp32":
             fail("model.dtype", f"recipe {self.recipe!r} generates in FP8 with vLLM, whose FP8 method runs "
                                 "BF16/FP16 activations only (fp32 is refused)",
                  "bf16, or engines.generation=native, or a recipe without FP8 generation (bf16)")
+
+    def _check_mixed_precision(self) -> None:
+        """BF16 gathered parameters serve a BF16 trainer of BF16-rounded weights only: with model.dtype fp32
+        they would change the compute itself, and fp8.quantize_from master quantizes the FP32 master,
+        which a BF16 all-gather no longer holds."""
+        if self.parallel.mixed_precision == "none":
+            return
+        why = None
+        if self.model.dtype != "bf16":
+            why, valid = "computes in FP32 (model.dtype fp32)", "none, or model.dtype bf16"
+        elif self.engines.training != "native":
+            why, valid = f"is FSDP2's, in the native trainer; engines.training is {self.engines.training!r}", "none"
+        elif RECIPES[self.recipe].fp8_training and self.fp8.quantize_from == "master":
+            why, valid = "gathers BF16 weights, and fp8.quantize_from master quantizes the FP32 master", \
+                "none, or fp8.quantize_from bf16"
+        if why:
+            fail("parallel.mixed_precision", f"{self.parallel.mixed_precision!r}: the trainer {why}", valid)
 
     def _check_guard(self) -> None:
         """The guard lives in the native training engine: Megatron-Core's optimizer steps inside its own
@@ -469,6 +494,7 @@ HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "par
 # A value is the default itself, or the spec class whose default instance is it.
 HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
                                        "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
+                                       "parallel.mixed_precision": "none",
                                        "engines.kernels": "distinct", "task.scratchpad": False,
                                        "fp8.format": "block128", "fp8.lm_head": "bf16",
                                        "train.padding_free": False, "fp8.gemm": "auto",

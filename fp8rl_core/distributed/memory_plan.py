@@ -42,6 +42,9 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
           and the root group (embeddings, final norm, head) unsharded with its grads;
           parallel.reshard_after_forward false: every block's gathered weights stay until the step's last backward,
           + 4 N_blk x (L - 2) in the logprobs and training phases
+      parallel.mixed_precision bf16 (W > 1: FSDP2 gathers BF16 copies): fsdp = 10 N_blk + 8 N_root (two
+          BF16 blocks in flight, one block's BF16 gradients and their FP32 copy for the reduce-scatter),
+          kept blocks 2 N_blk each, and no autocast casts (casts = 0 for a BF16 trainer: its weights are BF16)
       parallel.grad_reduce step (W > 1): gradients accumulate unsharded over the micro-batches, so the
           training phase holds all of them beside the saved tensors: grads = 4 N, not max(4 N / W, saved)
   T = prompt + new, b_mb = micro_batch_size (0: all rows_r), b_lp = logprob_batch_size (0: all rows_r).
@@ -116,6 +119,7 @@ from fp8rl_core.model.llama import CausalLM
 GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB  # per process on CUDA (module docstring: an assumption, rounded up)
 NCCL_BYTES = GiB  # per rank at W > 1 on CUDA (module docstring: an upper bound for one 8-rank node)
+DEFAULT_PROMPT_TOKENS = 64  # the arithmetic task's prompts fit in it (plans without a prompt bound)
 VLLM_BATCHED_TOKENS = 16384  # vLLM 0.25.1 max_num_batched_tokens, LLM class, >= 70 GB GPU (get_batch_defaults)
 
 
@@ -133,6 +137,7 @@ class Layout:
     activation_checkpointing: bool = False  # recompute each block in backward
     grad_reduce_per_step: bool = False  # parallel.grad_reduce step: full unsharded gradients per rank
     reshard_after_forward: bool = True  # parallel.reshard_after_forward false: all blocks' weights gathered
+    bf16_gather: bool = False  # parallel.mixed_precision bf16: FSDP2 gathers BF16 parameters (W > 1)
     reference: bool = False  # a frozen reference policy (loss.kl_coef > 0)
     fp8_training: bool = False
     fp8_generation: bool = False
@@ -253,7 +258,7 @@ def _activations(cfg: Any, lay: Layout, p: ParamCounts, rows: int) -> dict[str, 
 def _cast_bytes(lay: Layout, p: ParamCounts) -> int:
     """The block linears' weights kept for backward: BF16 casts, or the FP8 trainer's quantized copies."""
     if not lay.fp8_training:
-        return 2 * p.block_linear
+        return 0 if lay.bf16_gather and lay.world_size > 1 else 2 * p.block_linear  # BF16-gathered: no casts
     f = FORMATS[lay.fp8_format]
     if lay.fp8_format != "block128" and lay.device == "cpu":  # the emulation keeps FP32 values per copy
         return 4 * p.block_linear * f.training_weight_copies
@@ -280,9 +285,12 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
                 "reference": 2 * p.total // S if lay.reference else 0}
     gen_weights = (quantized_linear_bytes(p, lay.fp8_format) + 2 * (p.total - p.block_linear)
                    if lay.fp8_generation else 2 * p.total)
-    fsdp = {"fsdp_unsharded": 12 * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
+    gathered = 2 if lay.bf16_gather else 4  # bytes per gathered parameter (parallel.mixed_precision)
+    # two blocks in flight + one block's gradients (BF16-gathered: BF16 gradients + their FP32 copy to reduce)
+    per_block = 2 * gathered + (6 if lay.bf16_gather else 4)
+    fsdp = {"fsdp_unsharded": per_block * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
     if fsdp and not lay.reshard_after_forward:  # every block gathered from its first forward to the last backward
-        fsdp["fsdp_kept_gathered"] = 4 * p.block * max(cfg.num_hidden_layers - 2, 0)
+        fsdp["fsdp_kept_gathered"] = gathered * p.block * max(cfg.num_hidden_layers - 2, 0)
     rows = lay.rows_per_rank
     kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     host: dict[str, int] = {}
@@ -384,9 +392,11 @@ def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
             + " GiB). Knobs: " + "; ".join(knobs) + "; " + tail)
 
 
-def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: str | None = None) -> Layout:
+def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int | None = None, device: str | None = None) -> Layout:
     """The Layout of a RunConfig (fp8rl_core/config/run_config.py) at `world_size` ranks. prompt_tokens: the
-    longest prompt (the config does not know it; 64 covers the arithmetic task's prompts)."""
+    longest prompt; None: allowed_prompt_tokens(cfg)."""
+    if prompt_tokens is None:
+        prompt_tokens = allowed_prompt_tokens(cfg)
 
     recipe = recipe_of(cfg)
     par = getattr(cfg, "parallel", None)
@@ -403,6 +413,7 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
                   activation_checkpointing=bool(getattr(par, "activation_checkpointing", False)),
                   grad_reduce_per_step=getattr(par, "grad_reduce", "micro_batch") == "step",
                   reshard_after_forward=bool(getattr(par, "reshard_after_forward", True)),
+                  bf16_gather=getattr(par, "mixed_precision", "none") == "bf16",
                   reference=cfg.loss.kl_coef > 0, fp8_training=recipe.fp8_training,
                   fp8_generation=recipe.fp8_generation,
                   bf16_engine=recipe.fp8_generation or cfg.engines.generation == "vllm",
@@ -411,7 +422,16 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int = 64, device: s
                   paged_kv=cfg.engines.generation == "vllm")
 
 
-def plan_for_run(cfg: Any, world_size: int = 1, prompt_tokens: int = 64, device: str | None = None) -> MemoryPlan:
+def allowed_prompt_tokens(cfg: Any) -> int:
+    """The longest prompt a run can hold without reading its data: with engines.vllm.max_model_len set, the
+    run refuses longer ones at start, so the bound is max_model_len - max_new_tokens (the 8B sweep: 4608 -
+    4096 = 512); else DEFAULT_PROMPT_TOKENS, the arithmetic task's bound."""
+    limit = cfg.engines.vllm.max_model_len if cfg.engines.generation == "vllm" else None
+    return limit - cfg.rollout.max_new_tokens if limit else DEFAULT_PROMPT_TOKENS
+
+
+def plan_for_run(cfg: Any, world_size: int = 1, prompt_tokens: int | None = None, device: str | None = None
+                 ) -> MemoryPlan:
     """The memory plan of a RunConfig: the model from `model.path`'s config.json, else its preset.
     For `sweep plan`: `check(plan_for_run(cell_cfg, nodes * tasks_per_node), gpu_mem_bytes)`."""
 

@@ -39,7 +39,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 
 
 def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_gradients: bool = True,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, mixed_precision: str = "none") -> nn.Module:
     """FSDP2 over mesh.device_mesh: fully_shard each block, then the root; in place, returns the model.
 
     cpu_offload: parameters, gradients and optimizer state live on the CPU between uses
@@ -48,13 +48,17 @@ def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_
     False keeps every block's gathered weights for the step (the engine keeps them across its
     micro-batches too: one all-gather per step; each rank then holds the full weights during the
     step), and with them Fp8Linear's cached Q(W): each weight quantized once per step, not per forward.
+    mixed_precision (parallel.mixed_precision): "bf16" all-gathers BF16 copies of the FP32 shards
+    (MixedPrecisionPolicy param_dtype bf16) and reduce-scatters gradients in FP32 (reduce_dtype); the shards,
+    the optimizer and checkpoints stay FP32. "none": no policy (FP32 gathered, FP32 reduced).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     if not mesh.distributed:
         raise ValueError("shard_model: needs world size > 1 (a single process trains unsharded)")
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    kw = {"mesh": mesh.device_mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload}
+    kw = {"mesh": mesh.device_mesh, "reshard_after_forward": reshard_after_forward, "offload_policy": offload,
+          "mp_policy": mixed_precision_policy(mixed_precision)}
     if reshard_after_forward:
         _no_weight_cache(model)
     modules = [fully_shard(layer, **kw) for layer in model.model.layers]
@@ -64,6 +68,18 @@ def shard_model(model: nn.Module, mesh: Mesh, *, cpu_offload: bool = False, sum_
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM; NCCL's zero-copy path
     return model
+
+
+def mixed_precision_policy(name: str):
+    """parallel.mixed_precision -> FSDP2's MixedPrecisionPolicy: none -> the default policy (no casts),
+    bf16 -> param_dtype bf16, reduce_dtype fp32 (torchtitan's default for BF16 training)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if name == "none":
+        return MixedPrecisionPolicy()
+    if name == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    raise ValueError(f"mixed_precision: {name!r} not supported; valid: none, bf16")
 
 
 def _no_weight_cache(model: nn.Module) -> None:

@@ -162,7 +162,7 @@ class NativeTrainingEngine:
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
                  reshard_after_forward: bool = True, emulate_bf16: bool = False, padding_free: bool = False,
-                 guard: MismatchGuardSpec | None = None) -> None:
+                 guard: MismatchGuardSpec | None = None, mixed_precision: str = "none") -> None:
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
         bad = [n for n, p in model.named_parameters() if p.dtype != torch.float32]
@@ -184,7 +184,7 @@ class NativeTrainingEngine:
         self.micro_batch_size, self.logprob_batch_size = int(micro_batch_size), int(logprob_batch_size)
         self._device = next(model.parameters()).device  # the compute device (shards may be offloaded)
         self.grad_reduce, self.reshard_after_forward = grad_reduce, bool(reshard_after_forward)
-        _parallelize(model, self.mesh, cpu_offload, activation_checkpointing, reshard_after_forward)
+        _parallelize(model, self.mesh, cpu_offload, activation_checkpointing, reshard_after_forward, mixed_precision)
         o = self.optim_spec
         self.params = list(model.parameters())  # tied weights appear once; DTensor shards when sharded
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps,
@@ -409,14 +409,15 @@ class NativeTrainingEngine:
 
 
 def _parallelize(model: torch.nn.Module, mesh: Mesh, cpu_offload: bool, activation_checkpointing: bool,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, mixed_precision: str = "none") -> None:
     """Activation checkpointing, then FSDP2 over the mesh (world size > 1); nothing at world size 1
     (cpu_offload then only applies to the reference policy, fp8rl_core/engines/native_train.py)."""
     if activation_checkpointing or mesh.distributed:
         if activation_checkpointing:
             parallel.apply_activation_checkpointing(model)
         if mesh.distributed:
-            parallel.shard_model(model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward)
+            parallel.shard_model(model, mesh, cpu_offload=cpu_offload, reshard_after_forward=reshard_after_forward,
+                                 mixed_precision=mixed_precision)
 
 
 def _chunked_logprobs(forward, batch: TrainBatch, temperature: float, chunk: int) -> torch.Tensor:

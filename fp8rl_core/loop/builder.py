@@ -118,7 +118,7 @@ def build_training_engine(cfg: RunConfig, path: Path, device: str, mesh: Mesh = 
                                 grad_reduce=cfg.parallel.grad_reduce,
                                 reshard_after_forward=cfg.parallel.reshard_after_forward,
                                 emulate_bf16=emulates_bf16(cfg, device), padding_free=cfg.train.padding_free,
-                                guard=cfg.train.mismatch_guard)
+                                guard=cfg.train.mismatch_guard, mixed_precision=cfg.parallel.mixed_precision)
 
 
 def build_reference(cfg: RunConfig, path: Path, device: str, mesh: Mesh = SINGLE) -> Any:
@@ -236,15 +236,20 @@ PREFLIGHT_ENV = "FP8RL_PREFLIGHT"  # "0": skip the FP8 GEMM preflight (debugging
 
 
 def preflight_ms(cfg: RunConfig, world_size: int = 1, device: str = "cuda") -> tuple[int, ...]:
-    """The M values of the FP8 GEMM preflight: on CUDA a decode-sized M (this rank's rows, decoded at once)
-    and a training-sized M (a micro-batch's tokens, as the memory plan counts them); on the CPU the small
-    preflight.CPU_MS (docs/design.md, "FP8 GEMM preflight")."""
+    """The M values of the FP8 GEMM preflight: on CUDA a decode-sized M (this rank's rows, decoded at once),
+    a training-sized M (a micro-batch's tokens, as the memory plan counts them) and, where the native engine
+    generates in FP8, the rollout's largest: its prefill of every distinct prompt of the rank at the longest
+    allowed prompt length (P / W x prompt tokens: native_gen groups equal-length prompts into one GEMM); on
+    the CPU the small preflight.CPU_MS (docs/design.md, "FP8 GEMM preflight")."""
     if torch.device(device).type != "cuda":
         return preflight.CPU_MS
     from fp8rl_core.distributed.memory_plan import layout_for_run
 
     lay = layout_for_run(cfg, world_size, device="cuda")
-    return tuple(dict.fromkeys((lay.rows_per_rank, (lay.micro_batch_size or lay.rows_per_rank) * lay.tokens)))
+    ms = [lay.rows_per_rank, (lay.micro_batch_size or lay.rows_per_rank) * lay.tokens]
+    if recipe_of(cfg).fp8_generation and cfg.engines.generation == "native":
+        ms.append(-(-cfg.rollout.prompts_per_step // world_size) * lay.prompt_tokens)
+    return tuple(dict.fromkeys(ms))
 
 
 def preflight_shapes(cfg: RunConfig, model_config: Any, world_size: int = 1, device: str = "cuda",

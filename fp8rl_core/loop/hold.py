@@ -5,7 +5,8 @@ flight (requeue, preemption, cancel) find it there on any machine, however fast.
 
 After step <step> is logged and checkpointed, the run waits until <release file> exists (at most
 <max seconds>, default 600, so a test that dies never leaves a job waiting forever). Signals still
-arrive while it waits (SIGINT, submitit's USR2), so a held run can be cancelled or preempted. Unset —
+arrive while it waits (SIGINT, submitit's USR2), so a held run can be cancelled or preempted; the wait
+also ends when `until()` turns true (the time-limit flag, fp8rl_core/loop/preempt.py). Unset —
 the normal case — it costs one dictionary lookup per step.
 
 Each waiting process first writes `<release file>.held.<pid>` (`holders` counts them): a test acts
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 ENV_VAR = "FP8RL_HOLD_AFTER_STEP"
@@ -31,8 +32,10 @@ def hold_spec(value: str) -> tuple[int, Path, float]:
     return int(parts[0]), Path(parts[1]), float(parts[2]) if len(parts) == 3 else 600.0
 
 
-def hold_after(step: int, env: Mapping[str, str] | None = None, poll_s: float = 0.1) -> bool:
-    """Wait here if the environment asks to hold after `step`; True when it held."""
+def hold_after(step: int, env: Mapping[str, str] | None = None, poll_s: float = 0.1,
+               until: Callable[[], bool] | None = None) -> bool:
+    """Wait here if the environment asks to hold after `step`; True when it held. `until`: ends the
+    wait early when it returns True."""
     value = (os.environ if env is None else env).get(ENV_VAR)
     if not value:
         return False
@@ -42,7 +45,7 @@ def hold_after(step: int, env: Mapping[str, str] | None = None, poll_s: float = 
     marker = release.with_name(f"{release.name}{HELD_SUFFIX}{os.getpid()}")
     marker.write_text(f"{step}\n")  # after the checkpoint: this process is now inside the wait
     deadline = time.monotonic() + max_s
-    while not release.exists() and time.monotonic() < deadline:
+    while not release.exists() and time.monotonic() < deadline and not (until and until()):
         time.sleep(poll_s)
     return True
 

@@ -34,6 +34,7 @@ from fp8rl_core.loop.builder import build_context
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.evaluate import validation_metrics
 from fp8rl_core.loop.hold import hold_after
+from fp8rl_core.loop.preempt import TimeLimit
 from fp8rl_core.loop.step import grpo_step, sampling_params
 from fp8rl_core.tracking import M_MISMATCH, M_REWARD, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE, TAG_WORLD_SIZE
 from fp8rl_core.tracking.lifecycle import PAUSED, run_status
@@ -177,6 +178,17 @@ def run(cfg: RunConfig, progress: bool = True, stop_after: int | None = None) ->
 
 
 
+def _end_of_step(ctx: RunContext, ckpt_dir: Path, step: int, limit: TimeLimit) -> None:
+    """The periodic checkpoint, the test hold, and the time limit's checkpoint and requeue (which exits)."""
+    cfg = ctx.cfg
+    periodic = step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps
+    if periodic:
+        _checkpoint(ctx, ckpt_dir, step)
+    hold_after(step, until=lambda: limit.requested)  # test hook (FP8RL_HOLD_AFTER_STEP), ended by the signal
+    if step < cfg.train.steps:  # after the last step the run is done: it ends as usual, nothing to resume
+        limit.stop_here(step, lambda s: _checkpoint(ctx, ckpt_dir, s), checkpointed=periodic)
+
+
 def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, stop_after: int | None
                ) -> dict[str, float]:
     """The step loop of `run` on one rank (all ranks run it; rank 0 alone logs and validates)."""
@@ -193,6 +205,7 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
     last: dict[str, float] = {}
     bar = tqdm(total=cfg.train.steps, initial=done, desc=f"{cfg.recipe}/IS={cfg.loss.importance_sampling}"
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
+    limit = TimeLimit(ctx.mesh).__enter__()  # USR2 (time limit, preemption): checkpoint at a step's end
     try:
         if done == 0 and (metrics := _validate(ctx)) is not None:
             sink.log(0, metrics)
@@ -213,9 +226,7 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
             bar.update(1)
             bar.set_postfix(reward=f"{last[M_REWARD]:.2f}", mismatch=f"{last[M_MISMATCH]:.4f}",
                             val=f"{last.get(M_VAL_ACC, float('nan')):.2f}", refresh=False)
-            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                _checkpoint(ctx, ckpt_dir, step)
-            hold_after(step)  # test hook (FP8RL_HOLD_AFTER_STEP): a run held mid-flight on any machine
+            _end_of_step(ctx, ckpt_dir, step, limit)
             if stop_after is not None and step >= stop_after:
                 if step % cfg.train.checkpoint_every:
                     _checkpoint(ctx, ckpt_dir, step)
@@ -227,5 +238,6 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
         status = run_status(e)
         raise
     finally:
+        limit.__exit__()
         bar.close()
         sink.close(status)

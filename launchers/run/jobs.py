@@ -2,8 +2,10 @@
 
     CellJob()(config_dict)       # builds the RunConfig, runs (or resumes) it: fp8rl_core.loop.run.run
 
-A cell's job is a `submitit.helpers.Checkpointable`: on preemption or timeout (USR2), submitit calls
-`checkpoint()`, which resubmits the same cell, and requeues the job; the requeued job calls `run`
+A cell's job is a `submitit.helpers.Checkpointable`. On preemption or timeout (USR2) the run loop
+first finishes the step it is in and checkpoints it (fp8rl_core/loop/preempt.py), then hands the signal
+to submitit's handler, which calls `checkpoint()` (it resubmits the same cell) and requeues the job
+(at most `launcher.slurm.max_num_timeout` times at the time limit); the requeued job calls `run`
 again, which resumes from the cell's own checkpoints (`<output_dir>/checkpoints`) and logs into the
 same MLflow run (`tracking.run_id`), keeping the first value of each step (none lost or doubled).
 A plain `scontrol requeue` (SIGTERM, which submitit ignores) restarts the original submission: the
@@ -102,8 +104,8 @@ class CellJob(submitit.helpers.Checkpointable):
             raise
 
     def checkpoint(self, config: dict[str, Any]) -> submitit.helpers.DelayedSubmission:
-        """Resubmit the same cell. The run's state is its own checkpoint on disk, written every
-        train.checkpoint_every steps, atomically, so nothing in this process needs saving."""
+        """Resubmit the same cell. The run's state is its own checkpoint on disk: the run loop wrote
+        one for the step it had just finished before it handed the signal here (loop/preempt.py)."""
         self._requeued = True
         return submitit.helpers.DelayedSubmission(CellJob(self.run_fn), config)
 

@@ -90,7 +90,8 @@ class SlurmSpec:
     cpus_per_task: int | None = None  # sbatch --cpus-per-task (null: the cluster's default)
     mem_gb: float | None = None  # memory per node in GB, sbatch --mem (null: the cluster's default)
     gpu_mem_gb: float = 80  # memory of one GPU in GB: `sweep plan` refuses a device: cuda cell whose rank cannot fit it
-    signal_delay_s: int = 90  # USR2 this long before the time limit: time to write a checkpoint
+    signal_delay_s: int = 90  # USR2 this long before the time limit: time to finish a step and checkpoint it
+    max_num_timeout: int = 3  # requeues at the time limit before the job fails (submitit's countdown)
     python: str | None = None  # command that runs python on the nodes (default: the interpreter running `sweep`)
     setup: list[str] = field(default_factory=list)  # shell lines run before the job (module load, exports)
     additional_parameters: dict[str, Any] = field(default_factory=dict)  # extra #SBATCH --key=value
@@ -107,6 +108,8 @@ class SlurmSpec:
             fail("gpu_mem_gb", f"must be > 0, got {self.gpu_mem_gb}")
         if self.signal_delay_s < 0:
             fail("signal_delay_s", f"must be >= 0, got {self.signal_delay_s}")
+        if self.max_num_timeout < 0:
+            fail("max_num_timeout", f"must be >= 0, got {self.max_num_timeout}")
         for key, value in self.additional_parameters.items():
             _check_sbatch_option(key, value)
 

@@ -172,3 +172,37 @@ def _sigint_ignored_in_child(restore: bool) -> tuple[bool, bool]:
 def test_restore_sigint_makes_processes_cancellable_under_nohup():
     assert _sigint_ignored_in_child(restore=False) == (False, True)  # the trap: children ignore SIGINT too
     assert _sigint_ignored_in_child(restore=True) == (True, False)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_sweep_files_max_num_timeout_is_every_submitted_jobs_requeue_countdown(tmp_path, n):
+    """launcher.slurm.max_num_timeout reaches submitit's countdown of every job, arrays included: without
+    it a cell gets submitit's default 3 requeues (4 x `time` in all) whatever the sweep file says."""
+    from submitit.core.utils import DelayedSubmission
+    from submitit.slurm.test_slurm import mocked_slurm
+
+    from launchers.executors.slurm.sbatch import slurm_submission
+    from launchers.sweepfile.loading import load_sweep
+
+    path = tmp_path / "s.yaml"
+    path.write_text("experiment: t\nbase: {model: {preset: tiny}}\ngrid: {seed: [0]}\n"
+                    "launcher: {kind: slurm, slurm: {time: 5, max_num_timeout: 40}}\n")
+    sub = slurm_submission(load_sweep(path, cwd=tmp_path))
+    with mocked_slurm():
+        SlurmExecutor(sub).submit([Task(f"c{i}", add, (i, 1)) for i in range(n)])
+    pickles = sorted((tmp_path / "outputs").rglob("*_submitted.pkl"))
+    assert len(pickles) == n
+    assert [DelayedSubmission.load(p)._timeout_countdown for p in pickles] == [40] * n
+
+
+def test_a_negative_max_num_timeout_is_refused_with_its_key(tmp_path):
+    from launchers.sweepfile.loading import load_sweep
+    from launchers.sweepfile.schema import SweepError
+
+    path = tmp_path / "s.yaml"
+    path.write_text("experiment: t\nbase: {model: {preset: tiny}}\ngrid: {seed: [0]}\n"
+                    "launcher: {kind: slurm, slurm: {max_num_timeout: -1}}\n")
+    with pytest.raises(SweepError, match="launcher.slurm.max_num_timeout.*>= 0"):
+        load_sweep(path, cwd=tmp_path)
+
+

@@ -84,7 +84,10 @@ class SlurmExecutor:
         import submitit
 
         cls = self._factory or submitit.SlurmExecutor
-        ex = cls(folder=self.submission.folder, python=self.submission.python)
+        # max_num_timeout: how many time-limit requeues submitit allows a job (its default, 3, gives a cell
+        # 4 x `time` in all); an array's tasks inherit it (submitit copies it to the array's executor)
+        ex = cls(folder=self.submission.folder, python=self.submission.python,
+                 max_num_timeout=self.submission.max_num_timeout)
         params = dict(self.submission.parameters)
         if ranks == 1:  # a stage (warm start, report) or a 1-rank cell: one task on one node
             params.update(nodes=1, ntasks_per_node=1)

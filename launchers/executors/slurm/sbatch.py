@@ -28,6 +28,7 @@ class SlurmSubmission:
     folder: Path  # submitit's folder, absolute, with %j (pickles, sbatch files, logs)
     python: str  # shell command that runs python on the nodes
     parameters: dict[str, Any] = field(default_factory=dict)  # SlurmExecutor.update_parameters(**parameters)
+    max_num_timeout: int = 3  # SlurmExecutor(max_num_timeout=...): a constructor argument, not an sbatch key
 
 
 def slurm_submission(sweep: Sweep) -> SlurmSubmission:
@@ -48,7 +49,7 @@ def slurm_submission(sweep: Sweep) -> SlurmSubmission:
                 "setup": list(s.setup) or None, "additional_parameters": dict(s.additional_parameters) or None}
     params.update({k: v for k, v in optional.items() if v is not None})
     python = s.python if s.python else shlex.quote(sys.executable)  # submitit's own default
-    return SlurmSubmission(sweep.folder / JOBS_SUBFOLDER, python, params)
+    return SlurmSubmission(sweep.folder / JOBS_SUBFOLDER, python, params, s.max_num_timeout)
 
 
 def render_sbatch(sub: SlurmSubmission, n_tasks: int) -> str:

@@ -155,3 +155,19 @@ def test_a_hardware_executor_that_failed_its_probe_fails_the_preflight(monkeypat
     with pytest.raises(pf.PreflightError, match="no executor to check .*probe.*No FP8 step ran") as info:
         pf.run_preflight(shapes, "cpu")
     assert isinstance(info.value.__cause__, ScaledMmProbeError) and len(info.value.failures) == len(shapes)
+
+
+def test_cuda_ms_cover_the_prompt_length_the_run_allows_and_native_fp8_prefill():
+    """Issue 31, M8/M9: the training M counts the allowed prompt (max_model_len - max_new_tokens, not 64), and
+    a native FP8-generating cell checks its largest rollout GEMM: the prefill of the rank's distinct prompts."""
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.loop.builder import preflight_ms
+
+    vllm = load_run_config(None, ["recipe=fp8_e2e", "engines.generation=vllm", "engines.vllm.max_model_len=4608",
+                                  "rollout.max_new_tokens=4096", "rollout.prompts_per_step=64",
+                                  "rollout.samples_per_prompt=32", "train.micro_batch_size=1"])
+    assert preflight_ms(vllm, 8, "cuda") == (256, 4608)  # 64 x 32 / 8 rows decoded; 1 x (512 + 4096) tokens
+    native = load_run_config(None, ["recipe=fp8_gen", "rollout.prompts_per_step=64", "rollout.samples_per_prompt=4",
+                                    "rollout.max_new_tokens=32", "train.micro_batch_size=2"])
+    assert preflight_ms(native, 8, "cuda") == (32, 2 * (64 + 32), 8 * 64)  # + 8 prompts x 64 tokens of prefill
+    assert preflight_ms(native, 8, "cpu") == pf.CPU_MS
