@@ -59,7 +59,7 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
   both exist only in the generation phase (sleep(level=2) after a rollout discards weights and KV pool
   while the trainer runs; the refit reloads the weights); without it they are resident in every phase.
   validation (a phase of its own under vLLM, every recipe): the BF16 evaluation engine (val_accuracy_bf16_eval)
-  is the native generation engine in BF16 (loop/builder.py BF16Evaluator; vLLM 0.25.1 runs one sleep-mode
+  is the native generation engine in BF16 (loop/builder.py BF16Evaluator; vLLM runs one sleep-mode
   engine per process, engines/vllm_gen.py refuses a second). It holds weights only during validation: rank 0
   refits it after the arm's engine has validated and gone to sleep(level=1) (`host: gen_weights`, with sleep
   mode), evaluates, and releases it; the other ranks take part in the refit (an all-gather per tensor) and
@@ -84,7 +84,7 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
     gen_activations  vLLM's forward at its token budget, in PyTorch's cache while it generates:
                   VLLM_BATCHED_TOKENS x (4 I + 8 h) B (the BF16 gate/up output and a few hidden-size
                   tensors) + concurrency x V x 8 B (FP32 logits and log-probs of the sampled rows);
-                  VLLM_BATCHED_TOKENS = 16384, vLLM 0.25.1's max_num_batched_tokens for the LLM class on
+                  VLLM_BATCHED_TOKENS = 16384, vLLM 0.32's max_num_batched_tokens for the LLM class on
                   GPUs of >= 70 GB (engine/arg_utils.py EngineArgs.get_batch_defaults)
   vLLM refit (a fourth phase): vLLM's weights awake (gen_weights) while the refit streams the trainer's
     tensors (engines/vllm_convert.py iter_refit_tensors): refit_stream = 4 T_max (one gathered FP32
@@ -120,7 +120,7 @@ GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB  # per process on CUDA (module docstring: an assumption, rounded up)
 NCCL_BYTES = GiB  # per rank at W > 1 on CUDA (module docstring: an upper bound for one 8-rank node)
 DEFAULT_PROMPT_TOKENS = 64  # the arithmetic task's prompts fit in it (plans without a prompt bound)
-VLLM_BATCHED_TOKENS = 16384  # vLLM 0.25.1 max_num_batched_tokens, LLM class, >= 70 GB GPU (get_batch_defaults)
+VLLM_BATCHED_TOKENS = 16384  # vLLM 0.32 max_num_batched_tokens, LLM class, >= 70 GB GPU (arg_utils.get_batch_defaults)
 
 
 @dataclass(frozen=True)

@@ -298,3 +298,14 @@ def test_the_refusal_of_a_second_sleep_mode_engine_stays_as_a_guard(fake_vllm, t
     with pytest.raises(RuntimeError, match="one instance per process"):
         second.start(_checkpoint(tmp_path))
     assert len(fake_vllm) == 1
+
+
+def test_the_longest_prompt_is_measured_at_start_when_max_model_len_is_set(fake_vllm, tmp_path):
+    """M4: with engines.vllm.max_model_len set, start measures the task's prompts too, so a limit that cannot
+    hold the longest one + max_new_tokens is refused before vLLM starts, not hours later in generate."""
+    new = run_config_from_dict({}).rollout.max_new_tokens
+    cfg = _cfg(tmp_path, max_model_len=new + 2)  # room for the response, not for a 7-token arithmetic prompt
+    with pytest.raises(ValueError, match=rf"engines.vllm.max_model_len: {new + 2} tokens cannot hold the longest"):
+        vllm_engine(cfg, ODD).start(_checkpoint(tmp_path))
+    assert fake_vllm == []  # vllm.LLM never started
+
