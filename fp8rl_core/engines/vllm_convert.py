@@ -14,7 +14,9 @@ send it and reads back what it returns:
   size > 1: vllm_placement.py). FP8 recipes load a blockwise FP8 checkpoint and override its config with
   NeMo RL's quantization_config {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
   weight_block_size: [128, 128]}, plus `ignored_layers` (HF module names) for the blocks the recipe keeps
-  in BF16 (vLLM skips a fused layer when all of its shards are listed);
+  in BF16 (vLLM skips a fused layer when all of its shards are listed). Re-read for vLLM 0.32
+  (model_executor/layers/quantization/fp8.py: Fp8Config takes activation_scheme "dynamic" with a 2-D
+  weight_block_size, and a block-quantized linear's scale parameter is named `weight_scale_inv`);
 - `write_checkpoint`: the trainer's weights as an HF folder (hf_io.save_pretrained, "fp8_block" for FP8);
 - `iter_refit_tensors` / `refit_tensors`: the checkpoint-format tensors of one refit: every FP8 linear as
   E4M3 `weight` + FP32 `weight_scale_inv` [ceil(out/128), ceil(in/128)] from our `quantize_blockwise` (so
