@@ -6,9 +6,11 @@ Usage: python benchmarks/gpu_check.py [--out-dir DIR] [--phases env,preflight,..
 
 Phases, in order (benchmarks/gpu_phases/<name>.py holds each, its docstring the details):
   env        versions, the GPU and its capabilities, which imports work (mlflow, submitit, pytest, vLLM,
-             Transformer Engine and Megatron must not be imported by the check's chain: the machine has none)
-  preflight  select_executor (scaled_mm on SM90), fp8rl_core.fp8.preflight over the ~1B policy's GEMM shapes
-             eager and compiled, and the blockwise GEMM at 4096^3 against BF16 and against the emulation
+             Transformer Engine and Megatron must not be imported by the check's chain: the machine has none),
+             and what is out of its reach (vLLM's and Transformer Engine's GPU paths; the header says it too)
+  preflight  select_executor (scaled_mm on SM90), the 8B sweep's FP8 GEMM shapes against the exact emulation
+             under the bound, each timed against BF16; fp8rl_core.fp8.preflight over the ~1B policy's GEMM
+             shapes eager and compiled, and the blockwise GEMM at 4096^3 against BF16 and against the emulation
   linear     Fp8Linear forward + backward vs BF16 nn.Linear at 4096^3, quantization included, eager and compiled
   grpo       a GRPO step per recipe (bf16, fp8_gen, fp8_e2e) on a random-init ~1B Llama: time per phase,
              token_mult_prob_error, CUDA peak memory against memory_plan's estimate
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     what = "CPU smoke (--cpu)" if args.cpu else torch.cuda.get_device_name(device)
     limits = (f"Deadline {args.deadline:.0f} s; phase budgets "
-              + ", ".join(f"{k} {v:.0f} s" for k, v in args.budgets.items()) + ".")
+              + ", ".join(f"{k} {v:.0f} s" for k, v in args.budgets.items()) + ".\n\n" + env.out_of_reach()[0])
     report = Report(args.out_dir, f"device check: torch {torch.__version__}, {what}, phases {', '.join(args.phases)}",
                     preamble=limits, resume=args.resume is not None)
     clock = Clock(args.deadline, args.budgets, t0=START)

@@ -3,6 +3,19 @@
 Cases, in order:
   select_executor  on an SM90 GPU it must pick "scaled_mm" (else `fail`, with the error of a direct
                scaled_mm call on a small GEMM: the start-up probe swallows it); on a CPU, what CPU runs use.
+  8B plan      the FP8 GEMM shapes of the 8B cluster sweep (models.plan_shapes: `sweep plan --preflight`'s list,
+               Llama-3.1-8B's fprop / dgrad / wgrad at the sweep's M = 256 decoded rows and 4608 training
+               tokens per rank: 24 shapes), one case each: the executor under test against the exact
+               emulation (the preflight's float64 C_ref from the same E4M3 codes and scales) under the bound
+               (`x baseline` = the error as a fraction of the bound, as in every preflight row), timed (best
+               of --repeats) beside the BF16 matmul of the same GEMM; then a row `8B plan: all shapes`, the
+               worst. Cost on an H200, from FLOPs: 4.0 TFLOP per pass over the 24 shapes, 7 FP8 and 6 BF16
+               calls each (~28 TFLOP apiece, ~40 ms at ~0.7 PFLOP/s); the exact emulation is the slow side, two
+               float64 GEMMs per shape, 8.1 TFLOP (~0.2 s at ~50 TFLOP/s): a few seconds with operand generation
+               and first calls, so every shape runs at the plan's full M; no 8B shape starts once the phase has
+               less than PLAN_RESERVE_S left (kept for the cases below). --cpu: the same sweep and code on the
+               tiny policy at M = 5 (12 shapes), and `8B plan: scaled_mm layouts (meta)`: the executor's calls at
+               the real 24 shapes on the meta device, where torch checks the blockwise scale shapes and strides.
   preflight eager / preflight compiled (the latter last in the phase)
                fp8rl_core.fp8.preflight over every distinct GEMM shape of the GRPO phase's policy
                (models.policy) at a decode-sized and a training-sized M (--preflight-ms; compiled:
@@ -32,10 +45,13 @@ from gpu_phases.common import Run, installed, rel_diff, row
 PHASE = "preflight"
 PREFLIGHT = "fp8rl_core.fp8.preflight"
 GEMM_TOL = 1e-2  # normwise; the per-element bound is the preflight's (docs/design.md)
+PLAN_RESERVE_S = 20.0  # an 8B plan shape starts only while the phase has this much left: the cases after it
+PLAN = "8B plan"
 
 
 def run(run: Run) -> None:
     run.case(PHASE, "select_executor", lambda: executor_row(run))
+    plan_cases(run)
     run.case(PHASE, "preflight eager", lambda: preflight_rows(run, "preflight eager", compiled=False))
     for block_b in ((128, 128), (1, 128)):
         name = f"blockwise GEMM 1x128 x {block_b[0]}x{block_b[1]} M=K=N={run.args.gemm_size}"
@@ -88,6 +104,131 @@ def direct_scaled_mm(run: Run) -> str:
     except Exception as exc:  # noqa: BLE001  (the very thing to report)
         return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
     return f"ran; max rel diff vs emulation {rel_diff(got, emulate.fold_mm(a, b, torch.float32)):.2e}"
+
+
+def plan_cases(run: Run) -> None:
+    """The 8B plan's shapes, one case each (see the module docstring), then the summary row."""
+    from fp8rl_core.fp8.gemm_bound import BOUND_TEXT
+
+    listed = run.case(PHASE, f"{PLAN}: shapes", lambda: [plan_list_row(run)])
+    shapes = run.shared.get("plan_shapes")
+    if not shapes or listed[0]["status"] != "ok":
+        return
+    if run.cpu:
+        run.case(PHASE, f"{PLAN}: scaled_mm layouts (meta)", lambda: [meta_layout_row(run)])
+    done: list[dict] = []
+    for i, shape in enumerate(shapes):
+        case = f"{PLAN}: {shape.describe()}"
+        own = run.clock.phase_left(PHASE)
+        if own < PLAN_RESERVE_S:
+            done += run.report.add([row(PHASE, case, "skipped", note=f"not started: {own:.0f} s left in phase "
+                                        f"{PHASE}, {PLAN_RESERVE_S:.0f} s kept for its other cases")])
+            continue
+        done += run.case(PHASE, case, lambda s=shape, seed=i: plan_shape_rows(run, s, seed))
+    measured = [r for r in done if r["status"] in ("ok", "fail")]
+    bad = [r for r in done if r["status"] in ("fail", "error")]
+    worst = max(measured, key=lambda r: r["ratio"], default=None)
+    t_exec, t_bf16 = (sum(r["data"][k] for r in measured) for k in ("ms", "bf16_ms"))
+    t_ref = sum(r["data"]["reference_ms"] for r in measured) / 1e3
+    note = (f"{len(measured)} of {len(shapes)} shapes measured, {len(bad)} fail or error"
+            + (f" (first: {bad[0]['case'].removeprefix(PLAN + ': ')}: {bad[0]['note'][:200]})" if bad else "")
+            + ("" if worst is None else f"; worst {worst['ratio']:.3f} of the bound at "
+               f"{worst['case'].removeprefix(PLAN + ': ')}; {hardware_executor(run)} {t_exec:.1f} ms in all vs "
+               f"BF16 {t_bf16:.1f} ms; the exact emulation {t_ref:.2f} s")
+            + f". Bound: {BOUND_TEXT}")
+    status = "fail" if bad else ("ok" if len(measured) == len(shapes) else "skipped")
+    run.report.add([row(PHASE, f"{PLAN}: all shapes", status, time_ms=t_exec or None,
+                        ratio=None if worst is None else worst["ratio"], note=note,
+                        data={"shapes": len(shapes), "measured": len(measured), "failed": len(bad),
+                              "worst": None if worst is None else worst["case"], "bf16_ms": t_bf16,
+                              "reference_s": t_ref})])
+
+
+def plan_list_row(run: Run) -> dict:
+    shapes, what = models.plan_shapes(run.work, run.cpu)
+    run.shared["plan_shapes"] = shapes
+    ms = sorted({s.m for s in shapes})
+    tflop = sum(2 * s.m * s.k * s.n for s in shapes) / 1e12
+    return row(PHASE, f"{PLAN}: shapes", note=f"{len(shapes)} shapes (M in {ms}; {tflop:.3g} TFLOP per pass over "
+               f"them) from {what}", data={"shapes": [s.describe() for s in shapes], "ms": ms, "tflop": tflop})
+
+
+def meta_layout_row(run: Run) -> dict:
+    """--cpu: the scaled_mm executor's own calls (cuda_exec.run_scaled_mm: padding, scale layouts, FP32 output)
+    at the real 8B plan's shapes on the meta device, where torch's scaled_mm runs its shape and stride checks
+    of the blockwise recipes without a GPU. A control call with a wrong scale layout must be refused, else
+    this torch's meta kernel checks nothing and the row is `skipped`."""
+    import torch
+    import torch.nn.functional as F
+
+    from fp8rl_core.fp8 import cuda_exec
+    from fp8rl_core.fp8.preflight import make_operands
+
+    meta = torch.device("meta")
+    shapes, _ = models.plan_shapes(run.work, cpu=False)
+    a, b = make_operands(shapes[0], meta, None)  # type: ignore[arg-type]  (meta: no generator)
+    try:
+        F.scaled_mm(a.q, b.q.t(), a.scale.contiguous(), F.ScalingType.BlockWise1x128, b.scale,
+                    F.ScalingType.BlockWise128x128, output_dtype=torch.float32)
+        return row(PHASE, f"{PLAN}: scaled_mm layouts (meta)", "skipped",
+                   note=f"torch {torch.__version__}'s meta scaled_mm accepts a wrong scale layout: it checks nothing")
+    except (RuntimeError, ValueError):
+        pass
+    failures = []
+    for shape in shapes:
+        a, b = make_operands(shape, meta, None)  # type: ignore[arg-type]
+        rows_c, _, cols = shape.gemm_dims()
+        try:
+            c = cuda_exec.run_scaled_mm(a, b, torch.float32)
+            if tuple(c.shape) != (rows_c, cols) or c.dtype != torch.float32:
+                failures.append(f"{shape.describe()}: {c.dtype} {tuple(c.shape)}")
+        except (RuntimeError, ValueError) as exc:
+            failures.append(f"{shape.describe()}: {str(exc).strip()[:300]}")
+    if cuda_exec.fallbacks():
+        failures.append(f"FP32 output refused: {cuda_exec.fallbacks()}")
+    status = "fail" if failures else "ok"
+    note = (f"{len(shapes) - len(failures)} of {len(shapes)} 8B shapes: cuda_exec.run_scaled_mm's operands and scales "
+            f"pass torch {torch.__version__}'s blockwise scaled_mm shape and stride checks (meta device; a wrong scale "
+            "layout is refused there), FP32 output" + (f"; first failure: {failures[0]}" if failures else ""))
+    return row(PHASE, f"{PLAN}: scaled_mm layouts (meta)", status, note=note, data={"failures": failures[:8]})
+
+
+def plan_shape_rows(run: Run, shape, seed: int) -> list[dict]:
+    """One 8B plan shape: the executor under test, timed, against the exact emulation under the bound."""
+    import torch
+    from fp8_numerics import best_times
+
+    from fp8rl_core.fp8 import gemm as fp8_gemm
+    from fp8rl_core.fp8.gemm_bound import bound_ratio
+    from fp8rl_core.fp8.preflight import make_operands
+
+    dev, executor = run.device, hardware_executor(run)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    a, b = make_operands(shape, dev, g)
+    rows_c, inner, cols = shape.gemm_dims()
+    x = torch.randn(rows_c, inner, device=dev, generator=g).to(torch.bfloat16)
+    w = torch.randn(cols, inner, device=dev, generator=g).to(torch.bfloat16)
+
+    def fp8() -> object:
+        return fp8_gemm.blockwise_scaled_mm(a.q, a.scale, b.q, b.scale, block_a=a.block, block_b=b.block,
+                                            out_dtype=torch.float32, executor=executor)
+
+    t = best_times({"bf16": lambda: x @ w.t(), executor: fp8}, run.args.repeats, dev)
+    c = fp8()
+    t0 = time.perf_counter()
+    ratio, (i, j) = bound_ratio(c, a, b)  # returns floats: synchronized
+    t_ref = time.perf_counter() - t0
+    flops = 2 * rows_c * inner * cols
+    status = "ok" if ratio <= 1.0 else "fail"
+    data = {"pass": shape.pass_name, "layer": shape.layer, "m": shape.m, "k": shape.k, "n": shape.n,
+            "gemm_dims": [rows_c, inner, cols], "executor": executor, "ms": t[executor] * 1e3,
+            "bf16_ms": t["bf16"] * 1e3, "first_call_ms": t["first call " + executor] * 1e3,
+            "reference_ms": t_ref * 1e3, "bound_ratio": ratio, "where": [i, j]}
+    return [row(PHASE, f"{PLAN}: {shape.describe()}", status, time_ms=t[executor] * 1e3, ratio=ratio,
+                tflops=flops / t[executor] / 1e12, data=data,
+                note=f"{executor} {t[executor] * 1e3:.2f} ms vs BF16 matmul {t['bf16'] * 1e3:.2f} ms "
+                     f"(x {t[executor] / t['bf16']:.2f}); error {ratio:.3f} of the bound at C[{i}, {j}] against the "
+                     f"exact emulation (float64, {t_ref * 1e3:.0f} ms); first call {data['first_call_ms']:.0f} ms")]
 
 
 @contextlib.contextmanager

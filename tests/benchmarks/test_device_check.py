@@ -70,6 +70,13 @@ def test_cpu_smoke_runs_every_phase(tmp_path):
         r = grpo[f"GRPO step [{recipe}]"]
         assert r["status"] == "ok" and r["time_ms"] > 0 and 1.0 <= r["tmpe"] < 1.5 and r["plan_gib"] > 0
     assert grpo["GRPO step [bf16]"]["ratio"] == 1.0
+    plan = [r for r in rows if r["case"].startswith("8B plan: ")]
+    assert [r["case"] for r in plan[:2]] == ["8B plan: shapes", "8B plan: scaled_mm layouts (meta)"]
+    assert len(plan) == 2 + 12 + 1 and all(r["status"] == "ok" for r in plan)  # 12 CPU shapes, then the summary
+    assert plan[1]["note"].startswith("24 of 24 8B shapes") and plan[-1]["case"] == "8B plan: all shapes"
+    assert all(r["time_ms"] > 0 and r["ratio"] <= 1 for r in plan[2:])
+    reach = by[("env", "out of reach")]
+    assert reach["status"] == "skipped" and "GPU path" in reach["note"] and "test_vllm_real.py" in reach["note"]
     fsdp = [r for r in rows if r["phase"] == "fsdp"]
     assert [r["status"] for r in fsdp] == ["ok"] * 5
     mega = [r for r in rows if r["phase"] == "megatron"]
@@ -104,6 +111,9 @@ runpy.run_path({str(ROOT / "benchmarks" / "gpu_check.py")!r}, run_name="__main__
     imports = by[("env", "imports")]
     assert imports["data"]["imported_eagerly"] == [] and imports["data"]["failed"] == {}
     assert not any(imports["data"]["optional_installed"].values())
+    reach = by[("env", "out of reach")]["note"]
+    assert reach.startswith("vLLM and Transformer Engine: out of reach on this machine (not installed")
+    assert "their GPU paths are unverified here" in reach and reach in (out / "device_check.md").read_text()
     assert "not installed: megatron-core" in by[("megatron", "Megatron-Core BF16 vs native")]["note"]
     assert by[("grpo", "GRPO step [fp8_e2e]")]["status"] == "ok"
 
@@ -129,11 +139,11 @@ def test_a_crash_is_an_error_row_and_the_check_goes_on_with_the_next_phase(tmp_p
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "the check died (exit 134); going on with the next phase" in proc.stderr
     rows = rows_of(out)
-    assert [r["phase"] for r in rows] == ["env"] * 3 + ["linear", "megatron", "end"]
-    died = rows[3]
+    assert [r["phase"] for r in rows] == ["env"] * 4 + ["linear", "megatron", "end"]
+    died = rows[4]
     assert died["status"] == "error" and died["case"] == "process died in: eager M=K=N=128"
     assert "signal 6" in died["note"] and "rest of phase linear was not run" in died["note"]
-    assert rows[-1]["data"]["error"] == 1 and "(resumed: 3 rows kept)" in (out / "device_check.log").read_text()
+    assert rows[-1]["data"]["error"] == 1 and "(resumed: 4 rows kept)" in (out / "device_check.log").read_text()
 
 
 def test_usage_errors():

@@ -3,6 +3,7 @@ alone, checked on this machine (a CPU: at a small M only, so the 8B sweep stays 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -12,13 +13,9 @@ from fp8rl_core.fp8 import preflight
 from launchers import cli
 
 REPO = Path(__file__).resolve().parents[2]
-# Llama-3.1-8B-Instruct's config.json (the architecture only: no weights are read)
-LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-            "head_dim": 128, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-            "max_position_embeddings": 131072, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+sys.path.insert(0, str(REPO / "benchmarks"))
+# Llama-3.1-8B-Instruct's config.json (the architecture only: no weights are read); one copy, the device check's
+from gpu_phases.models import LLAMA_8B  # noqa: E402
 
 
 def plan(capsys, *args):
