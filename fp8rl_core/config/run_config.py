@@ -228,9 +228,6 @@ class TrainSpec:
     steps: int = 60  # RL steps (rollout batches)
     val_every: int = 5  # validation every K steps, and at step 0 and the last step
     val_samples: int = 4  # val_accuracy = pass@1 over this many samples per held-out prompt (0: greedy)
-    # the unit validation is seeded in and dealt over the ranks in, so its metrics do not depend on the world
-    # size; smaller batches balance the ranks better (loop/evaluate.py)
-    val_batch_size: int = 512  # sequences per validation batch (vLLM: at most engines.vllm.max_num_seqs)
     checkpoint_every: int = 10  # checkpoint every K steps and at the last step (resume point)
     micro_batch_size: int = 0  # sequences per forward/backward; gradients accumulate to the step's batch (0: all)
     logprob_batch_size: int = 0  # sequences per forward of the old- and reference-log-prob passes (0: all)
@@ -241,6 +238,9 @@ class TrainSpec:
     # use_remove_padding; fp8rl_core/model/packing.py): same log-probs, fewer FLOPs; it changes which
     # tokens share an FP8 wgrad block and the GEMM shapes, so it enters the cell id when true. Native engine only
     padding_free: bool = False
+    # the unit validation is seeded in and dealt over the ranks in, so its metrics do not depend on the world
+    # size; smaller batches balance the ranks better (loop/evaluate.py)
+    val_batch_size: int = 512  # sequences per validation batch (vLLM: at most engines.vllm.max_num_seqs)
     # skip or mask steps and sequences whose mismatch (or gradient norm) is out of band; off by default
     mismatch_guard: MismatchGuardSpec = field(default_factory=MismatchGuardSpec)
 
