@@ -38,6 +38,7 @@ from fp8rl_core.config.run_config import (
     run_config_from_dict,
     run_config_hash,
     strip_unhashed,
+    val_batch_rows,
 )
 from fp8rl_core.config.schema import ConfigError
 
@@ -46,5 +47,5 @@ __all__ = [
     "Fp8Spec", "ISVariant", "LossSpec", "MegatronSpec", "MismatchGuardSpec", "ModelSpec", "OptimSpec", "ParallelSpec",
     "RolloutSpec", "RunConfig", "TaskSpec", "TrackingSpec", "TrainSpec", "VllmSpec", "WarmStartSpec", "apply_overrides",
     "hashed_dict", "load_run_config", "recipe_of", "RANGES", "RECIPES", "Quantization", "Recipe", "resolve_recipe",
-    "run_config_from_dict", "run_config_hash", "strip_unhashed",
+    "run_config_from_dict", "run_config_hash", "strip_unhashed", "val_batch_rows",
 ]

@@ -238,6 +238,9 @@ class TrainSpec:
     # use_remove_padding; fp8rl_core/model/packing.py): same log-probs, fewer FLOPs; it changes which
     # tokens share an FP8 wgrad block and the GEMM shapes, so it enters the cell id when true. Native engine only
     padding_free: bool = False
+    # the unit validation is seeded in and dealt over the ranks in, so its metrics do not depend on the world
+    # size; smaller batches balance the ranks better (loop/evaluate.py)
+    val_batch_size: int = 512  # sequences per validation batch (vLLM: at most engines.vllm.max_num_seqs)
     # skip or mask steps and sequences whose mismatch (or gradient norm) is out of band; off by default
     mismatch_guard: MismatchGuardSpec = field(default_factory=MismatchGuardSpec)
 
@@ -467,6 +470,7 @@ RANGES: dict[str, Range] = {
     "optim.lr": above(0), "optim.weight_decay": at_least(0), "optim.betas": Range(0, 1, open_high=True),
     "optim.eps": above(0), "optim.grad_clip": Range(), "optim.micro_steps": at_least(1),  # grad_clip <= 0: off
     "train.steps": at_least(1), "train.val_every": at_least(1), "train.val_samples": at_least(0),
+    "train.val_batch_size": at_least(1),
     "train.checkpoint_every": at_least(1), "train.micro_batch_size": at_least(0),
     "train.logprob_batch_size": at_least(0),
     "train.mismatch_guard.max_mismatch": Range(1, open_low=True, why="token_mult_prob_error >= 1: a band ending "
@@ -498,7 +502,7 @@ HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatr
                                        "engines.kernels": "distinct", "task.scratchpad": False,
                                        "fp8.format": "block128", "fp8.lm_head": "bf16",
                                        "train.padding_free": False, "fp8.gemm": "auto",
-                                       "train.mismatch_guard": MismatchGuardSpec}
+                                       "train.mismatch_guard": MismatchGuardSpec, "train.val_batch_size": 512}
 # fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
 # fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
 # engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the
@@ -612,6 +616,15 @@ def _drop(data: dict[str, Any], key: str) -> None:
 def run_config_hash(cfg: RunConfig, length: int = 12) -> str:
     """Stable id of what a run computes (HASH_EXCLUDE removed)."""
     return stable_hash(hashed_dict(cfg), length)
+
+
+def val_batch_rows(cfg: RunConfig) -> int:
+    """Sequences per validation batch (loop/evaluate.py): train.val_batch_size, under vLLM at most
+    engines.vllm.max_num_seqs (the native BF16 evaluator's KV cache no larger than vLLM's pool). Never a
+    function of the world size: batches are dealt whole to the ranks, so every world size computes the same."""
+    rows = cfg.train.val_batch_size
+    limit = cfg.engines.vllm.max_num_seqs if cfg.engines.generation == "vllm" else None
+    return min(rows, limit) if limit else rows
 
 
 def recipe_of(cfg: RunConfig) -> Recipe:

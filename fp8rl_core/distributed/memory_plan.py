@@ -58,18 +58,26 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
   tensor_parallel_size > 1 both split over its GPUs). With sleep mode (engines.vllm.sleep_between_steps)
   both exist only in the generation phase (sleep(level=2) after a rollout discards weights and KV pool
   while the trainer runs; the refit reloads the weights); without it they are resident in every phase.
-  validation (a phase of its own under vLLM, every recipe): the BF16 evaluation engine (val_accuracy_bf16_eval)
-  is the native generation engine in BF16 (loop/builder.py BF16Evaluator; vLLM runs one sleep-mode
-  engine per process, engines/vllm_gen.py refuses a second). It holds weights only during validation: rank 0
-  refits it after the arm's engine has validated and gone to sleep(level=1) (`host: gen_weights`, with sleep
-  mode), evaluates, and releases it; the other ranks take part in the refit (an all-gather per tensor) and
-  release it at once. The phase is the larger of
-    rank 0:  bf16_engine 2 N (not divided by TP) + bf16_kv_cache b_eval x (prompt + new) x L x 2 x kv_dim x 2 B
-             (the native engine's preallocated cache; b_eval = the vLLM concurrency above, the evaluator's
-             batch) + on CUDA bf16_activations b_eval x prompt x (4 I + 8 h) + b_eval x V x 8 B (a prefill
-             of every row's prompt at once, and the sampled rows' FP32 logits)
-    others:  bf16_engine 2 N + refit_stream (as vLLM's refit below) + vLLM's weights, awake since the
-             step's refit (with sleep mode; without it they are resident anyway)
+  validation (a phase of its own; loop/evaluate.py splits it over the ranks, issue 31 M3): the held-out work
+  is a list of batches of c = val_batch rows (config.val_batch_rows: train.val_batch_size, under vLLM at most
+  max_num_seqs), the same at every W: ceil(P / c) greedy + ceil(P S / c) sampled on the arm's engine, the
+  sampled ones again on the BF16 evaluator (val_batches); batch i runs on rank i mod W. Under vLLM (every
+  recipe) the evaluator is the native generation engine in BF16 (loop/builder.py BF16Evaluator; vLLM runs one
+  sleep-mode engine per process, engines/vllm_gen.py refuses a second): every rank refits it after its arm's
+  engine has validated and gone to sleep(level=1) (`host: gen_weights`, with sleep mode), evaluates its
+  batches and releases it. The phase is the larger of
+    evaluating: bf16_engine 2 N (not divided by TP) + bf16_kv_cache b x (prompt + new) x L x 2 x kv_dim x 2 B
+             (the native engine's preallocated cache; b = the largest evaluator batch, <= c) + on CUDA
+             bf16_activations b x prompt x (4 I + 8 h) + b x V x 8 B (a prefill of every row's prompt at once,
+             and the sampled rows' FP32 logits)
+    refit:   bf16_engine 2 N + refit_stream (as vLLM's refit below)
+  Native generation (not paged): val_kv_cache = the largest batch x (prompt + new) x kv bytes per token.
+  Time (validation_s, CUDA only): the busiest rank's sum over its batches; a batch decodes max_new_tokens
+  steps (the worst case in length), each reading the weights and the KV caches it attends over at
+  GPU_HBM_BYTES_PER_S (the native engine: its whole cache; vLLM: prompt + new / 2 tokens per sequence, at most
+  its concurrency at once, in waves), plus a prefill of 2 N FLOPs per prompt token at GPU_BF16_FLOPS: the H100
+  roofline, the best case in speed. check_validation_time refuses more than VALIDATION_TIMEOUT_SHARE (25%) of
+  parallel.timeout_s (the 8B sweep: 8.4 min at W = 8, 67 min at W = 1).
   Megatron training (Layout.trainer_sharded False): the engine runs one replica per rank, so params,
   optimizer and gradients are not divided by W (see engines/megatron_train.py check_layout).
 
@@ -111,7 +119,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.config import recipe_of
+from fp8rl_core.config import recipe_of, val_batch_rows
 from fp8rl_core.fp8.formats import FORMATS
 from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
@@ -120,6 +128,11 @@ GiB = 2**30
 CUDA_CONTEXT_BYTES = GiB  # per process on CUDA (module docstring: an assumption, rounded up)
 NCCL_BYTES = GiB  # per rank at W > 1 on CUDA (module docstring: an upper bound for one 8-rank node)
 DEFAULT_PROMPT_TOKENS = 64  # the arithmetic task's prompts fit in it (plans without a prompt bound)
+# validation time (validation_seconds): the 8B sweep's GPU, an H100 SXM (HBM3 3.35 TB/s, 989 TFLOP/s dense
+# BF16), at full speed; assumptions until the device check measures a decode step
+GPU_HBM_BYTES_PER_S = 3.35e12
+GPU_BF16_FLOPS = 989e12
+VALIDATION_TIMEOUT_SHARE = 0.25  # validation's share of parallel.timeout_s that a plan allows (issue 31, M3)
 VLLM_BATCHED_TOKENS = 16384  # vLLM 0.32 max_num_batched_tokens, LLM class, >= 70 GB GPU (arg_utils.get_batch_defaults)
 
 
@@ -155,6 +168,9 @@ class Layout:
     vllm_tensor_parallel: int = 1  # GPUs one vLLM engine spans (its weights and KV split over them)
     vllm_sleep: bool = True  # sleep mode: vLLM's memory only in the generation phase
     trainer_sharded: bool = True  # FSDP2 (native engine) divides the trainer's state by W; Megatron (here): no
+    val_prompts: int = 128  # held-out prompts (task.val_size; 0: no validation planned)
+    val_samples: int = 4  # train.val_samples
+    val_batch: int = 512  # rows per validation batch (config.val_batch_rows), dealt whole to the ranks
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.rows_per_step < 1 or self.micro_batch_size < 0 or self.logprob_batch_size < 0:
@@ -189,6 +205,7 @@ class MemoryPlan:
     phase: str = ""  # the phase that sets the peak: generation, logprobs, training, refit or validation
     without_empty_cache: int = 0  # the peak if vLLM woke on top of PyTorch's cached trainer peak (docstring)
     phases: dict[str, dict[str, int]] = field(default_factory=dict)  # every phase's parts beside `resident`
+    validation_s: float = 0.0  # the busiest rank's validation, estimated on CUDA (validation_seconds); 0: none
 
     @property
     def peak(self) -> int:
@@ -305,14 +322,7 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
             gen["gen_activations"] = (VLLM_BATCHED_TOKENS * (4 * cfg.intermediate_size + 8 * cfg.hidden_size)
                                       + conc * cfg.vocab_size * 8)
         if lay.bf16_engine:  # the native BF16 evaluator, validation only (module docstring)
-            rank0 = {"bf16_engine": 2 * p.total, "bf16_kv_cache": conc * lay.tokens * kv_token}
-            if lay.device == "cuda":
-                width = 4 * cfg.intermediate_size + 8 * cfg.hidden_size  # bytes per token, as gen_activations
-                rank0["bf16_activations"] = conc * lay.prompt_tokens * width + conc * cfg.vocab_size * 8
-            others = {"bf16_engine": 2 * p.total, "refit_stream": stream}
-            if lay.vllm_sleep:
-                others = {"gen_weights": gen["gen_weights"], **others}
-            validation = max(rank0, others, key=lambda d: sum(d.values()))
+            validation = _evaluator_phase(cfg, lay, p, kv_token, stream, gen["gen_weights"])
         if not lay.vllm_sleep:
             resident.update({k: v for k, v in gen.items() if k != "gen_activations"})
             gen = {k: v for k, v in gen.items() if k == "gen_activations"}
@@ -327,6 +337,9 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
             resident["bf16_engine"] = 2 * p.total
         gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
         gen = {"kv_cache": gen_rows * lay.tokens * kv_token}
+        # validation: the native engines decode one batch at once (a paged engine pages it like a rollout)
+        val_rows = 0 if lay.paged_kv else max(sum(val_batches(lay), []), default=0)
+        validation = {"val_kv_cache": val_rows * lay.tokens * kv_token}
     b_lp = lay.logprob_batch_size or rows
     b_mb = lay.micro_batch_size or rows
     phases = {"generation": gen,
@@ -334,8 +347,8 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
               "training": _training(cfg, lay, p, min(b_mb, rows), fsdp)}
     if lay.vllm:
         phases["refit"] = refit
-        if lay.bf16_engine:
-            phases["validation"] = validation
+    if lay.val_prompts and (lay.bf16_engine if lay.vllm else not lay.paged_kv):
+        phases["validation"] = validation
     if lay.device == "cuda":  # beside tensors, in every phase (module docstring)
         resident["cuda_context"] = CUDA_CONTEXT_BYTES
         if W > 1:
@@ -357,7 +370,86 @@ def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
         stacked = sum(resident.values()) + trainer + sum(gen.values())
     return MemoryPlan(layout=lay, model=cfg, params=p, device=device, host=host, phase=phase,
                       without_empty_cache=max(stacked, sum(device.values())),
-                      phases={k: {n: b for n, b in v.items() if b} for k, v in phases.items()})
+                      phases={k: {n: b for n, b in v.items() if b} for k, v in phases.items()},
+                      validation_s=validation_seconds(cfg, lay, p, gen_weights))
+
+
+def val_batches(lay: Layout) -> list[list[int]]:
+    """Rows of each validation batch, as loop/evaluate.val_batches deals them: [the arm's engine's (greedy
+    then sampled), the BF16 evaluator's (sampled; greedy when val_samples is 0), if the layout has one]."""
+    P, S, c = lay.val_prompts, lay.val_samples, max(lay.val_batch, 1)
+
+    def split(n: int) -> list[int]:
+        return [min(c, n - start) for start in range(0, n, c)]
+
+    sampled = split(P * S)
+    return [split(P) + sampled, *([sampled or split(P)] if lay.bf16_engine else [])]
+
+
+def _evaluator_phase(cfg: Any, lay: Layout, p: ParamCounts, kv_token: int, stream: int, gen_weights: int
+                     ) -> dict[str, int]:
+    """Under vLLM, the native BF16 evaluator on every rank: the larger of its refit (vLLM asleep at level 1:
+    its weights on the host with sleep mode, on the device without) and its evaluation of one batch of b rows,
+    b the largest evaluator batch (the preallocated KV cache; on CUDA a prefill of b prompts + b rows' logits)."""
+    b = max(val_batches(lay)[-1], default=0)
+    evaluating = {"bf16_engine": 2 * p.total, "bf16_kv_cache": b * lay.tokens * kv_token}
+    if lay.device == "cuda":
+        width = 4 * cfg.intermediate_size + 8 * cfg.hidden_size  # bytes per token, as gen_activations
+        evaluating["bf16_activations"] = b * lay.prompt_tokens * width + b * cfg.vocab_size * 8
+    refit = {"bf16_engine": 2 * p.total, "refit_stream": stream}
+    return max(evaluating, refit, key=lambda d: sum(d.values()))
+
+
+def _decode_seconds(weights: int, rows: int, context: float, steps: int, prompt: int, kv_token: int, n: int) -> float:
+    """One generate call of `rows` answers of `steps` tokens: every decode step reads the weights and `rows`
+    KV caches of `context` tokens from HBM (bytes / GPU_HBM_BYTES_PER_S), the prefill computes 2 n FLOPs per
+    prompt token (/ GPU_BF16_FLOPS)."""
+    step = (weights + rows * context * kv_token) / GPU_HBM_BYTES_PER_S
+    return steps * step + 2 * n * rows * prompt / GPU_BF16_FLOPS
+
+
+def _batch_seconds(cfg: Any, lay: Layout, p: ParamCounts, rows: int, vllm: bool, weights: int) -> float:
+    """One validation batch of `rows` (validation_seconds): vLLM decodes at most its concurrency at once over
+    paged KV (a full-length answer's mean context: prompt + new / 2); the native engine decodes the batch at
+    once over its preallocated cache, which it reads whole (prompt + new slots)."""
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    new, prompt = lay.max_new_tokens, lay.prompt_tokens
+    if not vllm:
+        return _decode_seconds(weights, rows, lay.tokens, new, prompt, kv_token, p.total)
+    conc = min(lay.vllm_concurrency or rows, rows)
+    waves = [min(conc, rows - start) for start in range(0, rows, conc)]
+    return sum(_decode_seconds(weights, b, prompt + new / 2, new, prompt, kv_token, p.total) for b in waves)
+
+
+def validation_seconds(cfg: Any, lay: Layout, p: ParamCounts, gen_weights: int) -> float:
+    """The busiest rank's validation time on CUDA (0.0 elsewhere, or without validation): batch i of each
+    engine on rank i mod W (val_batches), each batch's time by _batch_seconds, every answer max_new_tokens
+    long (the worst case in length) at the HBM and BF16 roofline (the best case in speed; module docstring)."""
+    if lay.device != "cuda" or not lay.val_prompts:
+        return 0.0
+    W = lay.world_size
+    engines = zip(val_batches(lay), (lay.vllm, False), (gen_weights, 2 * p.total))
+    per_rank = [0.0] * W
+    for batches, vllm, weights in engines:
+        for i, rows in enumerate(batches):
+            per_rank[i % W] += _batch_seconds(cfg, lay, p, rows, vllm, weights)
+    return max(per_rank)
+
+
+def check_validation_time(plan: MemoryPlan, timeout_s: float) -> str | None:
+    """None when the busiest rank's estimated validation (plan.validation_s) takes at most
+    VALIDATION_TIMEOUT_SHARE of the collective timeout; else a refusal naming the keys that bound it."""
+    if plan.validation_s <= VALIDATION_TIMEOUT_SHARE * timeout_s:
+        return None
+    lay, t = plan.layout, plan.validation_s
+    counts = [len(b) for b in val_batches(lay)]
+    return (f"validation takes about {t / 60:.1f} min on the busiest of {lay.world_size} rank(s) (estimate: "
+            f"{' + '.join(str(-(-n // lay.world_size)) for n in counts)} batch(es) of <= {lay.val_batch} rows, "
+            f"answers of {lay.max_new_tokens} tokens), over {VALIDATION_TIMEOUT_SHARE:.0%} of parallel.timeout_s "
+            f"({timeout_s:g} s): a rank would wait that long in a collective. Knobs: parallel.timeout_s >= "
+            f"{t / VALIDATION_TIMEOUT_SHARE:.0f}; more ranks; task.val_size ({lay.val_prompts}); train.val_samples "
+            f"({lay.val_samples}); train.val_batch_size (balance: {sum(counts)} batch(es) over the ranks); "
+            "rollout.max_new_tokens")
 
 
 def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
@@ -419,7 +511,8 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int | None = None, 
                   bf16_engine=recipe.fp8_generation or cfg.engines.generation == "vllm",
                   fp8_format=(recipe.generation or recipe.training).format if recipe.fp8_generation else "block128",
                   device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
-                  paged_kv=cfg.engines.generation == "vllm")
+                  paged_kv=cfg.engines.generation == "vllm", val_prompts=cfg.task.val_size,
+                  val_samples=cfg.train.val_samples, val_batch=val_batch_rows(cfg))
 
 
 def allowed_prompt_tokens(cfg: Any) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fp8rl_core.config import RunConfig, recipe_of
+from fp8rl_core.config import RunConfig, recipe_of, val_batch_rows
 from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.distributed import init_distributed
@@ -170,13 +170,20 @@ class BF16Evaluator(NativeGenerationEngine):
     """engines.generation vllm: the engine-neutral evaluation engine, the native generation engine in BF16
     (vLLM runs one sleep-mode engine per process on a GPU, engines/vllm_gen.py; on a CPU, one engine keeps
     the evaluator the same for every arm). It holds weights only from a
-    refit (validation's, RunContext.bf16_engine) to `sleep(level=2)` (after the evaluation; at once on the
-    ranks that do not validate), so a rollout never finds it on the GPU; and it decodes at most `max_batch`
-    sequences at once (validation's batch, loop/run.py), so its KV cache is no larger than vLLM's pool."""
+    refit (validation's, RunContext.bf16_engine, on every rank) to `sleep(level=2)` (after its share of the
+    evaluation), so a rollout never finds it on the GPU; and it decodes at most `max_batch` sequences at once
+    (validation's batch, config.val_batch_rows: at most engines.vllm.max_num_seqs, so its KV cache is no larger
+    than vLLM's pool; a larger call is refused), whatever the world size."""
 
     def __init__(self, *args: Any, max_batch: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.max_batch = max_batch
+
+    def generate(self, prompts: list[list[int]], sampling: Any) -> Any:
+        if len(prompts) > self.max_batch:
+            raise ValueError(f"BF16Evaluator: {len(prompts)} sequences at once, above its max_batch "
+                             f"{self.max_batch} (train.val_batch_size / engines.vllm.max_num_seqs)")
+        return super().generate(prompts, sampling)
 
     def refit(self, weights: Any) -> None:
         self.sleep(level=2)  # the old copy goes before the new one is built: never two copies
@@ -198,10 +205,9 @@ def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, 
     vLLM engine. Nothing is allocated before its first refit. `path`: unused (kept for callers)."""
     recipe = recipe_of(cfg)
     if cfg.engines.generation == "vllm":
-        rows = rollout_rows(cfg, (mesh or SINGLE).world_size)
         return BF16Evaluator(model_config, recipe=recipe.in_bf16(), dtype=compute_dtype(cfg), device=device,
                              seed=rank_seed(cfg.seed, rank), emulate_bf16=emulates_bf16(cfg, device),
-                             max_batch=min(cfg.engines.vllm.max_num_seqs or rows, rows))
+                             max_batch=val_batch_rows(cfg))
     if not recipe.fp8_generation:
         return None
     return build_generation_engine(cfg, model_config, device, rank, recipe=recipe.in_bf16(), mesh=mesh)

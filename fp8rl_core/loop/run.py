@@ -8,8 +8,9 @@ the same metrics, bit for bit, as an uninterrupted one: weights, optimizer, step
 RNG, sampling generator and minibatch-shuffle generator are all in the checkpoint.
 
 On several ranks (`torchrun --nproc-per-node N -m fp8rl_core.cli ...`, multi-task SLURM) every rank
-runs this loop; rank 0 alone writes metrics/MLflow (the others log into a NullSink), validates and
-writes diagnostics; all ranks checkpoint. The world size is an MLflow tag (`world_size`).
+runs this loop; rank 0 alone writes metrics/MLflow (the others log into a NullSink) and writes
+diagnostics; every rank validates its share of the held-out batches (loop/evaluate.py) and checkpoints.
+The world size is an MLflow tag (`world_size`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fp8rl_core.config import RunConfig, run_config_hash
+from fp8rl_core.config import RunConfig, run_config_hash, val_batch_rows
 from fp8rl_core.config.schema import flatten
 from fp8rl_core.diagnostics.tokens import after_step
 from fp8rl_core.distributed import shutdown
@@ -87,31 +88,27 @@ def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
 
 
-def _validate(ctx: RunContext) -> dict[str, float] | None:
-    """Collective. Rank 0's metrics (None elsewhere): validation on the arm's own generation engine, and
-    `val_accuracy_bf16_eval`: the same prompts and sampling seed through the BF16 engine (the arm's own
-    for a BF16-generating recipe under native generation; under vLLM the native BF16 evaluator for every
-    recipe, builder.BF16Evaluator). Every rank takes part in the BF16 engine's refit (from sharded weights
-    an all-gather per tensor); rank 0 refits it only after the arm's engine has validated and slept, so the
-    two never hold the GPU together (the other ranks wait in that refit). The generation itself runs on
-    rank 0 alone and needs no collective."""
-    other = ctx.bf16_gen is not None  # else the arm's own engine serves (RunContext.bf16_engine)
-    if not ctx.mesh.is_rank0:
-        if other:  # refit with rank 0, then released: its next use follows a refit
-            engines.sleep(ctx.bf16_engine(), level=2)
-        return None
-    sampling, samples = sampling_params(ctx.cfg), ctx.cfg.train.val_samples
+def _validate(ctx: RunContext) -> dict[str, float]:
+    """Collective: every rank validates its share and returns the same global metrics (loop/evaluate.py:
+    batches dealt over the ranks, rewards all-reduced). Validation on the arm's own generation engine, and
+    `val_accuracy_bf16_eval`: the same prompts and sampling seeds through the BF16 engine (the arm's own for a
+    BF16-generating recipe under native generation; under vLLM the native BF16 evaluator for every recipe,
+    builder.BF16Evaluator). On every rank the arm's engine is held awake over its batches and then sleeps at
+    level 1 (its weights serve the next rollout); only then is the BF16 engine refit (a collective: from
+    sharded weights an all-gather per tensor), so the two never hold the GPU together; after its batches it
+    sleeps at level 2 (its next use follows a refit)."""
+    cfg = ctx.cfg
+    sampling, samples, rows = sampling_params(cfg), cfg.train.val_samples, val_batch_rows(cfg)
     with engines.awake(ctx.gen):  # many generate calls on one set of weights; the next rollout uses them too
-        out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples)
-    if not other:
+        out = validation_metrics(ctx.gen, ctx.tokenizer, ctx.task, sampling, samples, batch_size=rows, mesh=ctx.mesh)
+    if ctx.bf16_gen is None:  # the arm's own engine is the BF16 one (RunContext.bf16_engine)
         out[M_VAL_ACC_BF16_EVAL] = out[M_VAL_ACC]
         return out
     engines.sleep(ctx.gen, level=1)  # keep its weights (host) for the next rollout: no refit before it
     neutral_engine = ctx.bf16_engine()  # refit now, on the GPU the arm's engine gave back
-    batch = getattr(neutral_engine, "max_batch", None)  # the native evaluator's KV bound (builder.BF16Evaluator)
     with engines.awake(neutral_engine):
-        neutral = validation_metrics(neutral_engine, ctx.tokenizer, ctx.task, sampling, samples, greedy=False,
-                                     **({"batch_size": batch} if batch else {}))
+        neutral = validation_metrics(neutral_engine, ctx.tokenizer, ctx.task, sampling, samples, batch_size=rows,
+                                     greedy=False, mesh=ctx.mesh)
     out[M_VAL_ACC_BF16_EVAL] = neutral[M_VAL_ACC]
     engines.sleep(neutral_engine, level=2)
     return out
@@ -191,7 +188,7 @@ def _end_of_step(ctx: RunContext, ckpt_dir: Path, step: int, limit: TimeLimit) -
 
 def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, stop_after: int | None
                ) -> dict[str, float]:
-    """The step loop of `run` on one rank (all ranks run it; rank 0 alone logs and validates)."""
+    """The step loop of `run` on one rank (all ranks run it and validate their share; rank 0 alone logs)."""
     cfg, rank0 = ctx.cfg, ctx.mesh.is_rank0
     done = resume_or_start(ctx, ckpt_dir)  # collective: every rank loads its shards
     sink = make_run_sink(cfg, out_dir, resume_step=done) if rank0 else NullSink()
@@ -207,8 +204,8 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
                f"/seed={cfg.seed}", disable=not (progress and rank0), mininterval=1.0)
     limit = TimeLimit(ctx.mesh).__enter__()  # USR2 (time limit, preemption): checkpoint at a step's end
     try:
-        if done == 0 and (metrics := _validate(ctx)) is not None:
-            sink.log(0, metrics)
+        if done == 0:
+            sink.log(0, _validate(ctx))
         for step in range(done + 1, cfg.train.steps + 1):
             try:
                 last = grpo_step(ctx)
@@ -219,7 +216,7 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
             if rank0 and (note := guard_note(last, cfg.train.mismatch_guard)):
                 log.warning("step %d: %s", step, note)  # the run's stderr log, beside its metrics
             if _is_val_step(cfg, step):
-                last.update(_validate(ctx) or {})
+                last.update(_validate(ctx))
             sink.log(step, last)
             if rank0:
                 after_step(ctx, sink, step)  # worst-token table, rollout for `explain` (fp8rl_core/diagnostics)

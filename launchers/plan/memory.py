@@ -4,7 +4,8 @@
 What a rank has: on SLURM, a `device: cuda` cell's rank has one GPU of `launcher.slurm.gpu_mem_gb`;
 a CPU cell's rank has `launcher.slurm.mem_gb / tasks_per_node` (mem_gb is per node; unset: nothing
 to check) less CPU_PROCESS_BYTES. `device: auto` counts as cuda when the job asks for GPUs. Local and
-debug cells request nothing, so they are estimated, never refused. A cell whose
+debug cells request nothing, so they are estimated, never refused. A CUDA cell whose validation is estimated
+to take over a quarter of its `parallel.timeout_s` on its busiest rank is refused too (issue 31, M3). A cell whose
 model config cannot be read here (a `model.path` on a cluster disk) is shown `?`, not refused.
 `sweep plan` and `sweep run` both call `refusal(sweep, cells)`: exit 2, nothing submitted.
 """
@@ -26,6 +27,8 @@ GiB = 2**30
 # here for the tiny preset); the estimate counts tensors only, so a CPU rank's budget is its share of
 # mem_gb less this.
 CPU_PROCESS_BYTES = GiB // 2
+VALIDATION_REFUSAL = "validation takes"  # how memory_plan.check_validation_time's refusal begins
+TIME_KEY = "base.parallel.timeout_s"  # the sweep-file key that bounds it
 
 
 @dataclass(frozen=True)
@@ -65,17 +68,19 @@ def cell_device(sweep: Sweep, device: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(path: str | None, preset: str, layout: Any, budget: int | None) -> tuple[int | None, str | None]:
+def _plan(path: str | None, preset: str, layout: Any, budget: int | None, timeout_s: float = float("inf")
+          ) -> tuple[int | None, str | None]:
     """(peak, refusal or why there is no estimate) of one model (`model.path`, else the preset) and
-    layout: cells that share both are planned once."""
-    from fp8rl_core.distributed.memory_plan import check, plan_memory
+    layout: cells that share both are planned once. The refusal: memory over `budget`, or validation's
+    estimated time over a quarter of the collective timeout `timeout_s` (memory_plan.check_validation_time)."""
+    from fp8rl_core.distributed.memory_plan import check, check_validation_time, plan_memory
     from fp8rl_core.model.config import PRESETS
 
     try:
         plan = plan_memory(Path(path) if path else PRESETS[preset], layout)
     except (OSError, ValueError, KeyError, TypeError) as e:  # config.json not on this machine, or not Llama-like
         return None, f"no estimate: {type(e).__name__}: {e}"
-    return plan.peak, (check(plan, budget) if budget is not None else None)
+    return plan.peak, (check(plan, budget) if budget is not None else None) or check_validation_time(plan, timeout_s)
 
 
 def cell_memory(sweep: Sweep, cell: Cell) -> CellMemory:
@@ -85,7 +90,10 @@ def cell_memory(sweep: Sweep, cell: Cell) -> CellMemory:
     device = cell_device(sweep, cfg.device)
     budget, key = rank_budget(sweep, device)
     layout = layout_for_run(cfg, sweep.launcher.world_size, device=device)
-    peak, why = _plan(str(cfg.model.path) if cfg.model.path else None, cfg.model.preset, layout, budget)
+    peak, why = _plan(str(cfg.model.path) if cfg.model.path else None, cfg.model.preset, layout, budget,
+                      cfg.parallel.timeout_s)
+    if why and why.startswith(VALIDATION_REFUSAL):  # the key whose value bounds it
+        key = TIME_KEY
     return CellMemory(peak, budget, key, why)
 
 
@@ -115,5 +123,6 @@ def refusal(sweep: Sweep, cells: list[Cell], plans: dict[str, CellMemory] | None
     layout = (f"{la.world_size} rank(s): launcher.slurm.nodes {la.slurm.nodes} x tasks_per_node "
               f"{la.slurm.tasks_per_node}")
     more = f" (and {len(bad) - 1} more cell(s))" if len(bad) > 1 else ""
-    return SweepError(mem.key or "launcher", f"cell {first.id} {first.label()}{more} cannot fit, at {layout}: "
+    verb = "cannot validate within its collective timeout" if mem.key == TIME_KEY else "cannot fit"
+    return SweepError(mem.key or "launcher", f"cell {first.id} {first.label()}{more} {verb}, at {layout}: "
                       f"{mem.why}; nothing was submitted", where=sweep.locator.where(mem.key or "launcher"))

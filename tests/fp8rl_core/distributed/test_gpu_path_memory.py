@@ -100,7 +100,45 @@ def test_the_native_layout_keeps_its_resident_bf16_engine():
     for recipe, resident in (("bf16", False), ("fp8_gen", True), ("fp8_e2e", True)):
         cfg = load_run_config(None, [f"recipe={recipe}", "engines.generation=native"])
         plan = plan_memory(LLAMA_8B, layout_for_run(cfg, 8, prompt_tokens=512))
-        assert "validation" not in plan.phases and plan.layout.bf16_engine == resident
+        # no evaluator phase: the native engines validate one batch at once (512 rows: train.val_batch_size)
+        assert set(plan.phases["validation"]) == {"val_kv_cache"} and plan.layout.bf16_engine == resident
         assert plan.device.get("bf16_engine", 0) == (2 * count_parameters(plan.model).total if resident else 0)
     bare = plan_memory(LLAMA_8B, Layout(world_size=8, vllm=True, device="cuda"))  # a layout without evaluator
     assert "validation" not in bare.phases and "gen_weights" not in bare.host
+
+
+# ---- validation split over the ranks (issue 31, M3) -------------------------------------------------------
+def test_validation_time_and_memory_per_rank_are_its_share_and_checked_against_the_timeout():
+    """The 8B sweep validates 512 prompts greedy + 512 x 4 sampled in batches of 64 (max_num_seqs) on vLLM and
+    the sampled ones on the native evaluator: 40 + 32 batches. One rank (before M3: rank 0 ran them all while
+    the others waited) needs about an hour, worst case; 8 ranks each run 5 + 4 batches, an eighth of it. The
+    evaluator's KV cache is one batch's whatever W. The plan refuses a validation over 25% of the timeout."""
+    from fp8rl_core.config import load_run_config
+    from fp8rl_core.distributed.memory_plan import check_validation_time, val_batches
+
+    plans = _sweep_plans()
+    eight = plans["bf16"]
+    one = plan_memory(LLAMA_8B, Layout(**{**eight.layout.__dict__, "world_size": 1}))
+    assert [len(b) for b in val_batches(eight.layout)] == [40, 32]
+    assert one.validation_s > 45 * 60 and abs(eight.validation_s - one.validation_s / 8) < 1e-6 * one.validation_s
+    assert one.phases["validation"]["bf16_kv_cache"] == eight.phases["validation"]["bf16_kv_cache"] == 36 * GiB
+    assert check_validation_time(eight, 2400) is None  # the sweep's parallel.timeout_s: 8.4 min <= 10 min
+    why = check_validation_time(eight, 1800)  # torch's default: 8.4 min > 7.5 min
+    for key in ("parallel.timeout_s", "more ranks", "task.val_size", "train.val_samples", "train.val_batch_size",
+                "rollout.max_new_tokens"):
+        assert key in why, why
+    assert check_validation_time(one, 2400).startswith("validation takes about 66.9 min")
+    cfg = load_run_config(None, [])  # a CPU cell: no time estimated, nothing refused
+    assert plan_memory(LLAMA_8B, layout_for_run(cfg, 1, device="cpu")).validation_s == 0.0
+
+
+def test_sweep_plan_refuses_a_validation_over_a_quarter_of_the_timeout(tmp_path):
+    import json
+
+    from launchers.plan.memory import TIME_KEY, VALIDATION_REFUSAL, _plan
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B))
+    lay = _sweep_plans()["bf16"].layout
+    assert _plan(str(tmp_path), "tiny", lay, 80 * GiB, 2400.0)[1] is None
+    assert _plan(str(tmp_path), "tiny", lay, 80 * GiB, 1800.0)[1].startswith(VALIDATION_REFUSAL)
+    assert TIME_KEY == "base.parallel.timeout_s"

@@ -286,8 +286,13 @@ def test_the_evaluator_takes_its_rank_seed_and_device(fake_vllm, monkeypatch, tm
                                 "engines": {"generation": "vllm"}})
     evaluator = build_bf16_generation_engine(cfg, _checkpoint(tmp_path), ODD, "cpu", rank=3, mesh=mesh)
     assert evaluator.generator.initial_seed() == rank_seed(4, 3) and fake_vllm == []  # no vLLM engine started
-    rows = 8 * cfg.rollout.samples_per_prompt // 8
-    assert evaluator.max_batch == rows  # max_num_seqs unset: every row of the rank, as vLLM's pool counts
+    # max_num_seqs unset: validation's batch, train.val_batch_size, whatever the world size (issue 31, M3: the
+    # batches are dealt whole to the ranks; before, every row of the rank, which changed with W)
+    assert evaluator.max_batch == cfg.train.val_batch_size == 512
+    one = build_bf16_generation_engine(cfg, _checkpoint(tmp_path), ODD, "cpu", rank=0, mesh=SINGLE)
+    assert one.max_batch == evaluator.max_batch
+    with pytest.raises(ValueError, match="above its max_batch 512"):  # its KV bound holds
+        evaluator.generate([[3]] * 513, SamplingParams(max_new_tokens=1))
 
 
 def test_the_refusal_of_a_second_sleep_mode_engine_stays_as_a_guard(fake_vllm, tmp_path):
@@ -309,3 +314,34 @@ def test_the_longest_prompt_is_measured_at_start_when_max_model_len_is_set(fake_
         vllm_engine(cfg, ODD).start(_checkpoint(tmp_path))
     assert fake_vllm == []  # vllm.LLM never started
 
+
+def test_a_validation_batch_sends_the_same_request_seeds_on_every_rank(fake_vllm, monkeypatch, tmp_path):
+    """Issue 31, M3: validation's batches are dealt over the ranks, and batch k is seeded VAL_SEED + k, so the
+    vLLM engine of whichever rank runs it sends the same per-request seeds as one rank running every batch,
+    though the ranks' own streams (rank_seed) differ; each rank's stream is restored afterwards."""
+    from types import SimpleNamespace
+
+    from fp8rl_core.loop.evaluate import validation_metrics
+
+    class PeerMesh(Mesh):  # no process group: the all-reduce returns this rank's vector
+        def _reduce(self, values, op):
+            return torch.as_tensor(values, dtype=torch.float64)
+
+    task = SimpleNamespace(val_examples=[SimpleNamespace(prompt=str(i)) for i in range(3)],
+                           reward=lambda ex, text: 0.0)
+    tokenizer = SimpleNamespace(encode=lambda text: [1, 5 + int(text)], decode=lambda ids: "")
+
+    def seeds(rank: int, world: int) -> list[list[int]]:
+        engine = vllm_engine(_cfg(tmp_path), ODD, mesh=_rank(monkeypatch, rank, world))
+        engine.start(_checkpoint(tmp_path))
+        engine.refit(random_weights(ODD))
+        before = engine.generator.get_state()
+        with engine.awake():  # as loop/run.py _validate holds it over its batches
+            validation_metrics(engine, tokenizer, task, SamplingParams(max_new_tokens=2), samples=2, batch_size=2,
+                               greedy=False, mesh=PeerMesh(world_size=world, rank=rank))
+        assert torch.equal(engine.generator.get_state(), before)  # the rollout stream is untouched
+        return [[p["seed"] for p in params] for _, params in fake_vllm[-1].requests]
+
+    one = seeds(0, 1)  # 6 sampled rows in batches of 2: three generate calls
+    assert len(one) == 3 and len({s for batch in one for s in batch}) == 6
+    assert seeds(0, 2) == [one[0], one[2]] and seeds(1, 2) == [one[1]]
