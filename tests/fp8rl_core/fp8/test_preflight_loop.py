@@ -102,6 +102,9 @@ def test_the_shapes_follow_the_recipe_and_the_engines(tmp_path, warm):
     assert {s.pass_name for s in shapes("recipe=fp8_e2e")} == {"fprop", "dgrad", "wgrad"}
     assert shapes("recipe=fp8_e2e", "fp8.format=mxfp8") == []  # other formats: lowp.py's emulated GEMMs
     assert "lm_head" in {s.layer for s in shapes("recipe=fp8_e2e", "fp8.lm_head=fp8")}
-    # on CUDA: the rank's decoded rows and a micro-batch's tokens (rows x (64 prompt + new tokens))
+    # on CUDA: the rank's decoded rows, a micro-batch's tokens (rows x (64 prompt + new tokens)) and, as the
+    # native engine generates in FP8 here, its prefill of the rank's 2 prompts at 64 tokens (issue 31, M9)
     cuda = shapes("recipe=fp8_e2e", "train.micro_batch_size=2", device="cuda")
-    assert {s.m for s in cuda} == {4, 2 * (64 + 3)}
+    assert {s.m for s in cuda} == {4, 2 * (64 + 3), 2 * 64}
+    vllm_gen = shapes("recipe=fp8_e2e", "train.micro_batch_size=2", "engines.generation=vllm", device="cuda")
+    assert {s.m for s in vllm_gen} == {4, 2 * (64 + 3)}  # vLLM's prefill runs vLLM's kernels, not ours
