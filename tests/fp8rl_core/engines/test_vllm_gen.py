@@ -364,8 +364,8 @@ def test_to_generation_output_needs_logprobs():
 
 
 # ---- the engine's glue, against a fake vllm module (boundary fake: records calls, returns fakes) ------
-class CutlassFp8BlockScaledMMKernel:  # named as vLLM 0.32's CUDA block-FP8 kernel (W8A8)
-    pass
+class CutlassFp8BlockScaledMMKernel:
+    """Named as vLLM 0.32's CUDA block-FP8 kernel (W8A8): the engine reads only the class name."""
 
 
 class FakeRunner:
