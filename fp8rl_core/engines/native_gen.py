@@ -119,8 +119,8 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
                 emulate_bf16: bool = False) -> FusedLinear:
     """Concatenate [N_i, K] weights along N (biases likewise); quantize when spec is given (FP8 layer).
 
-    For block128 every shard is zero-padded to a multiple of 128 rows first; other formats quantize each
-    shard on its own (see the module docstring).
+    For block128 every shard of a fused weight is zero-padded to a multiple of 128 rows first (a single
+    matrix is not); other formats quantize each shard on its own (see the module docstring).
     """
     sizes = tuple(m.shape[0] for m in mats)
     if spec is not None and spec.format != "block128":
@@ -129,7 +129,10 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
             if any(b is not None for b in biases) else None
         starts = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         return FusedLinear(lowp_concat(parts, bias), None, starts, sizes, False, spec.check_finite)
-    pad_to = FP8_BLOCK if spec is not None else 1
+    # pad between shards only: one matrix has no boundary to straddle, and its partial last block (SmolLM2's
+    # o_proj / down_proj: N = 576 = 4.5 x 128) is what the trainer's quantizer makes of it, with no pad columns
+    # left in the output
+    pad_to = FP8_BLOCK if spec is not None and len(mats) > 1 else 1
     padded = [-(-n // pad_to) * pad_to for n in sizes]
     starts = tuple(sum(padded[:i]) for i in range(len(padded)))
     has_bias = any(b is not None for b in biases)

@@ -160,7 +160,7 @@ def longest_prompt_tokens(task: Any, tokenizer: Any, sample: int = 4096) -> int:
     examples = list(getattr(task, "train_examples", None) or []) + list(task.val_examples)
     if not getattr(task, "train_examples", None):
         examples += task.sample_train(random.Random(0), sample)
-    return max(len(tokenizer.encode(e.prompt)) for e in examples)
+    return max(len(tokenizer.encode_prompt(e.prompt)) for e in examples)
 
 
 def resolve_max_model_len(spec: VllmSpec, longest_prompt: int, max_new_tokens: int,

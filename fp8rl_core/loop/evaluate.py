@@ -58,7 +58,7 @@ def val_batches(examples: list, samples: int, rows: int, greedy: bool = True) ->
 
 def _reward_sum(gen: GenerationEngine, tokenizer: Any, task: Any, examples: Any, sampling: SamplingParams) -> float:
     """Sum of task rewards of one generate call on `examples` (one answer each)."""
-    out = gen.generate([tokenizer.encode(ex.prompt) for ex in examples], sampling)
+    out = gen.generate([tokenizer.encode_prompt(ex.prompt) for ex in examples], sampling)
     lengths = out.response_mask.sum(dim=1).tolist()
     total = 0.0
     for i, ex in enumerate(examples):

@@ -1,7 +1,8 @@
 """Tasks: prompts with reference answers, a fixed held-out set, and an exact-match reward.
 
 `make_task(spec)` builds the task a run config names (`task.name`): `arithmetic` (the default,
-synthetic) or `jsonl` (the user's data).
+synthetic), `jsonl` (the user's data) or `reasoning_gym` (its procedural datasets and scorers; an
+optional extra).
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any
 from fp8rl_core.tasks.arithmetic import ArithmeticTask
 from fp8rl_core.tasks.base import Example, Task, as_random, exact_match
 from fp8rl_core.tasks.jsonl import JsonlTask, TaskDataError
+from fp8rl_core.tasks.reasoning_gym import ReasoningGymTask
 
-__all__ = ["ArithmeticTask", "Example", "JsonlTask", "Task", "TaskDataError", "TASKS", "as_random",
+__all__ = ["ArithmeticTask", "Example", "JsonlTask", "ReasoningGymTask", "Task", "TaskDataError", "TASKS", "as_random",
            "exact_match", "make_task"]
 
 
@@ -31,7 +33,13 @@ def _jsonl(spec: Any) -> Task:
                      val_size=spec.val_size, data_seed=spec.data_seed)
 
 
-TASKS: dict[str, Callable[[Any], Task]] = {"arithmetic": _arithmetic, "jsonl": _jsonl}
+def _reasoning_gym(spec: Any) -> Task:
+    return ReasoningGymTask(spec.dataset, spec.options, val_size=spec.val_size, train_size=spec.train_size,
+                            data_seed=spec.data_seed, instruction=spec.instruction, extract=spec.extract)
+
+
+TASKS: dict[str, Callable[[Any], Task]] = {"arithmetic": _arithmetic, "jsonl": _jsonl,
+                                           "reasoning_gym": _reasoning_gym}
 
 
 def make_task(spec: Any) -> Task:

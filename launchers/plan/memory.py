@@ -75,9 +75,10 @@ def _plan(path: str | None, preset: str, layout: Any, budget: int | None, timeou
     estimated time over a quarter of the collective timeout `timeout_s` (memory_plan.check_validation_time)."""
     from fp8rl_core.distributed.memory_plan import check, check_validation_time, plan_memory
     from fp8rl_core.model.config import PRESETS
+    from fp8rl_core.model.sources import resolve_model_path
 
     try:
-        plan = plan_memory(Path(path) if path else PRESETS[preset], layout)
+        plan = plan_memory(resolve_model_path(path) if path else PRESETS[preset], layout)
     except (OSError, ValueError, KeyError, TypeError) as e:  # config.json not on this machine, or not Llama-like
         return None, f"no estimate: {type(e).__name__}: {e}"
     return plan.peak, (check(plan, budget) if budget is not None else None) or check_validation_time(plan, timeout_s)

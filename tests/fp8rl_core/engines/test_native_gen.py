@@ -312,21 +312,25 @@ def fp8_reference_logits(weights: dict[str, torch.Tensor], cfg: ModelConfig, ids
     return norm(x, "model.norm.weight") @ head.T
 
 
-FP8_CASES = pytest.mark.parametrize("head_dim,spec", [
-    (64, Fp8Spec()),
-    (48, Fp8Spec(power_of_two_scales=True)),  # q 192 / kv 96 rows: fused shards padded to 128
-    (64, Fp8Spec(bf16_first_layers=1, bf16_last_layers=1)),
-], ids=["aligned", "padded_pow2", "first_last_bf16"])
+FP8_CASES = pytest.mark.parametrize("head_dim,spec,hidden", [
+    (64, Fp8Spec(), 256),
+    (48, Fp8Spec(power_of_two_scales=True), 256),  # q 192 / kv 96 rows: fused shards padded to 128
+    (64, Fp8Spec(bf16_first_layers=1, bf16_last_layers=1), 256),
+    # hidden 192 = 1.5 blocks (SmolLM2-135M: 576 = 4.5): o_proj / down_proj end in a partial block of rows,
+    # every K = hidden in a partial block of columns, and no pad column may reach the residual stream
+    (48, Fp8Spec(), 192),
+], ids=["aligned", "padded_pow2", "first_last_bf16", "partial_hidden"])
 
 
 @FP8_CASES
-def test_fp8_linears_match_float64_reference_on_the_engines_activations(head_dim, spec, monkeypatch):
+def test_fp8_linears_match_float64_reference_on_the_engines_activations(head_dim, spec, hidden, monkeypatch):
     """Every linear call of a real FP8 forward, on the input the engine fed it: output shards vs
     float64 dq(Q(x)[1,128]) @ dq(Q(W_proj)[128,128])^T + b with per-projection weight quantization."""
     import fp8rl_core.engines.native_gen as native_gen
     from fp8rl_core.fp8 import Fp8Weight, dequantize_blockwise, quantize_blockwise
 
-    cfg = ModelConfig(**FP8_CFG, head_dim=head_dim, attention_bias=True, model_type="qwen2")
+    cfg = ModelConfig(**{**FP8_CFG, "hidden_size": hidden}, head_dim=head_dim, attention_bias=True,
+                      model_type="qwen2")
     model = hf_model(cfg)
     weights = model.state_dict()
     engine = engine_for(model, cfg, recipe=resolve_recipe("fp8_gen", spec))
@@ -355,11 +359,11 @@ def test_fp8_linears_match_float64_reference_on_the_engines_activations(head_dim
 
 
 @FP8_CASES
-def test_fp8_prefill_tracks_float64_reference(head_dim, spec):
+def test_fp8_prefill_tracks_float64_reference(head_dim, spec, hidden):
     """End to end, the engine must sit much closer to the FP8 float64 reference than to the
     unquantized model. Not tighter: a 1e-7 upstream difference flips an E4M3 rounding now and then,
     and later layers amplify it (measured up to 1.4% of max|logit| vs an FP8 effect of 7-10%)."""
-    cfg = ModelConfig(**FP8_CFG, head_dim=head_dim)
+    cfg = ModelConfig(**{**FP8_CFG, "hidden_size": hidden}, head_dim=head_dim)
     model = hf_model(cfg)
     weights = model.state_dict()
     engine = engine_for(model, cfg, recipe=resolve_recipe("fp8_gen", spec))  # FP32 dtype: only FP8 rounds coarsely

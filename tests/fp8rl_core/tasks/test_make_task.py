@@ -44,5 +44,5 @@ def test_jsonl_spec(tmp_path):
 def test_unknown_task_lists_the_supported_ones():
     spec = TaskSpec()
     spec.name = "chess"  # bypasses the config's own Literal check
-    with pytest.raises(ValueError, match="unknown task 'chess'; valid: arithmetic, jsonl"):
+    with pytest.raises(ValueError, match="unknown task 'chess'; valid: arithmetic, jsonl, reasoning_gym"):
         make_task(spec)
