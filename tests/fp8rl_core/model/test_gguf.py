@@ -19,9 +19,8 @@ from safetensors.torch import load_file
 
 gguf = pytest.importorskip("gguf")
 
-from fp8rl_core.model import load_pretrained  # noqa: E402
 from fp8rl_core.model import gguf as gg  # noqa: E402
-from fp8rl_core.model import sources  # noqa: E402
+from fp8rl_core.model import load_pretrained, sources  # noqa: E402
 from fp8rl_core.model.tokenizer import Tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -42,8 +41,9 @@ def hf_state(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
     shapes = {"model.embed_tokens.weight": (vocab, HIDDEN), "model.norm.weight": (HIDDEN,)}
     for n in range(L):
         p = f"model.layers.{n}."
-        shapes |= {p + "self_attn.q_proj.weight": (HEADS * 16, HIDDEN), p + "self_attn.k_proj.weight": (KV * 16, HIDDEN),
-                   p + "self_attn.v_proj.weight": (KV * 16, HIDDEN), p + "self_attn.o_proj.weight": (HIDDEN, HEADS * 16),
+        shapes |= {p + "self_attn.q_proj.weight": (HEADS * 16, HIDDEN),
+                   p + "self_attn.k_proj.weight": (KV * 16, HIDDEN), p + "self_attn.v_proj.weight": (KV * 16, HIDDEN),
+                   p + "self_attn.o_proj.weight": (HIDDEN, HEADS * 16),
                    p + "mlp.gate_proj.weight": (FFN, HIDDEN), p + "mlp.up_proj.weight": (FFN, HIDDEN),
                    p + "mlp.down_proj.weight": (HIDDEN, FFN), p + "input_layernorm.weight": (HIDDEN,),
                    p + "post_attention_layernorm.weight": (HIDDEN,)}
@@ -188,7 +188,8 @@ def test_cache_converts_once_atomically_and_concurrently(tmp_path, cache, monkey
     sha = sources.gguf_sha256(tmp_path / "m.gguf")
     assert got[0] == got[1] == cache / f"m-{sha[:16]}" and len(calls) == 1
     mtime = (got[0] / "model.safetensors").stat().st_mtime_ns
-    assert sources.is_converted(str(tmp_path / "m.gguf")) and sources.resolve_model_path(str(tmp_path / "m.gguf")) == got[0]
+    spec = str(tmp_path / "m.gguf")
+    assert sources.is_converted(spec) and sources.resolve_model_path(spec) == got[0]
     assert len(calls) == 1 and (got[0] / "model.safetensors").stat().st_mtime_ns == mtime
     assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == ["m-" + sha[:16], "sha256.json"]
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
