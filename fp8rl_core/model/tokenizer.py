@@ -6,7 +6,8 @@ any tokenizer.json (e.g. a real Llama or Qwen2 one) and finds BOS/EOS/PAD from i
 tokenizer_config.json, or explicit arguments.
 
 The wrapper never lets the backend add special tokens: `encode` prepends BOS itself, so a tokenizer.json
-whose post-processor also adds one (Llama's) cannot produce a double BOS.
+whose post-processor also adds one (Llama's) cannot produce a double BOS. A chat model's template
+(tokenizer_config.json `chat_template`, Jinja as in transformers) is applied by `encode_prompt`.
 """
 from __future__ import annotations
 
@@ -37,11 +38,14 @@ class Tokenizer:
     bos_id / eos_id / pad_id: special ids (bos_id may be None: Qwen2 has no BOS; pad defaults to EOS)
     strict: raise on text the vocabulary does not cover instead of encoding <unk>, which would silently
             corrupt prompts and exact-match rewards (byte-level BPEs never produce <unk>)
+    chat_template: the Jinja chat template of an instruct model (None: prompts are plain text)
     """
 
     def __init__(self, tok: HFTokenizer, *, bos_id: int | None, eos_id: int, pad_id: int | None = None,
-                 strict: bool = True, extra_eos_ids: tuple[int, ...] | list[int] = ()):
+                 strict: bool = True, extra_eos_ids: tuple[int, ...] | list[int] = (),
+                 chat_template: str | None = None):
         self.tok = tok
+        self.chat_template = chat_template
         self.bos_id, self.eos_id = bos_id, eos_id
         # every id that ends a turn: eos_id first, then the model's other EOS ids (config.json and
         # generation_config.json; Llama-3.1-Instruct ends a turn with <|eot_id|>, not <|end_of_text|>)
@@ -68,6 +72,22 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_prompt(self, text: str, system: str | None = None) -> list[int]:
+        """Token ids of a task prompt as the model expects it: with a chat template, the conversation
+        [system?, user: text] rendered with the assistant's turn opened (add_generation_prompt), encoded
+        without adding BOS (the template writes whatever BOS the model wants: SmolLM2's BOS <|im_start|>
+        opens the first turn, exactly once at position 0); without one, `encode(text)` (BOS + text; a system
+        text goes first, on its own line)."""
+        if self.chat_template is None:
+            return self.encode(text if system is None else f"{system}\n{text}")
+        messages = ([] if system is None else [{"role": "system", "content": system}])
+        rendered = render_chat(self.chat_template, [*messages, {"role": "user", "content": text}],
+                               bos_token=self._token(self.bos_id), eos_token=self._token(self.eos_id))
+        return self.encode(rendered, add_bos=False)
+
+    def _token(self, i: int | None) -> str:
+        return "" if i is None else self.tok.id_to_token(i)
+
     def decode(self, ids: list[int], stop_at_eos: bool = True) -> str:
         """Text of `ids` without special tokens; with stop_at_eos, everything from the first EOS (any id
         of eos_ids) is dropped."""
@@ -87,6 +107,8 @@ class Tokenizer:
                      (("bos_token", self.bos_id), ("eos_token", self.eos_id), ("pad_token", self.pad_id))
                      if i is not None}
             cfg = {"tokenizer_class": "PreTrainedTokenizerFast", **names}
+            if self.chat_template is not None:
+                cfg["chat_template"] = self.chat_template
             (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
             path = path / "tokenizer.json"
         self.tok.save(str(path))
@@ -115,7 +137,32 @@ class Tokenizer:
         model_cfg = file.parent / CONFIG  # a tokenizer folder need not hold a model's config.json
         extra = eos_id_list(json.loads(model_cfg.read_text()) if model_cfg.is_file() else {},
                             read_generation_config(file.parent))
-        return cls(tok, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, strict=strict, extra_eos_ids=extra)
+        template = cfg.get("chat_template")
+        return cls(tok, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, strict=strict, extra_eos_ids=extra,
+                   chat_template=template if isinstance(template, str) else None)
+
+
+def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str = "", eos_token: str = "",
+                add_generation_prompt: bool = True) -> str:
+    """A chat template rendered as transformers renders it (ImmutableSandboxedEnvironment, trim_blocks,
+    lstrip_blocks, loopcontrols; `raise_exception` and `strftime_now` available)."""
+    try:
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ImportError("a chat template needs jinja2: pip install 'jinja2>=3.1'") from e
+
+    def raise_exception(message: str):
+        raise ValueError(f"chat template: {message}")
+
+    def strftime_now(fmt: str) -> str:
+        from datetime import datetime
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token=bos_token, eos_token=eos_token)
 
 
 def _unk_id(tok: HFTokenizer) -> int | None:

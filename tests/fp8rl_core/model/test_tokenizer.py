@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.model.tokenizer import CHARS, Tokenizer, char_tokenizer
+from fp8rl_core.model.tokenizer import CHARS, Tokenizer, char_tokenizer, render_chat
 
 
 def test_char_tokenizer_ids():
@@ -134,3 +134,30 @@ def test_extra_characters_extend_the_vocabulary():
     assert tok.decode(tok.encode("a+b=1")) == "a+b=1"
     with pytest.raises(ValueError, match="duplicates"):
         char_tokenizer(chars="00")
+
+
+CHAT = ("{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+        "{{ bos_token + m['role'] + ':' + m['content'] + eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ bos_token }}{% endif %}")
+
+
+def test_encode_prompt_without_a_template_is_encode():
+    tok = char_tokenizer()
+    assert tok.chat_template is None
+    assert tok.encode_prompt("1+2=") == tok.encode("1+2=")
+
+
+def test_encode_prompt_renders_the_chat_template_with_one_bos(tmp_path):
+    """The template writes BOS itself; encode_prompt adds none (exactly one at position 0), and the
+    template round-trips through save/from_file (tokenizer_config.json chat_template)."""
+    tok = char_tokenizer(extra="emrstuy")
+    tok.chat_template = CHAT
+    ids = tok.encode_prompt("1+2=", system="2")
+    assert tok.decode(ids, stop_at_eos=False) == "system:2user:1+2="  # specials dropped
+    assert ids[0] == tok.bos_id and ids[1] != tok.bos_id and ids[-1] == tok.bos_id
+    assert ids.count(tok.eos_id) == 2
+    tok.save(tmp_path)
+    again = Tokenizer.from_file(tmp_path)
+    assert again.chat_template == CHAT and again.encode_prompt("1+2=", system="2") == ids
+    with pytest.raises(ValueError, match="chat template: no bad roles"):
+        render_chat(CHAT, [{"role": "bad", "content": ""}])
