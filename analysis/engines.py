@@ -74,8 +74,16 @@ from analysis.figures import (  # noqa: E402
 from analysis.kernels import only_kernels  # noqa: E402
 from analysis.links import ui_link  # noqa: E402
 from analysis.numerics import provenance  # noqa: E402
+from analysis.settling import (  # noqa: E402
+    ACCURACY_METRICS,
+    Settling,
+    accuracy_start_end,
+    reward_halves,
+    run_settling,
+)
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL  # noqa: E402
 from fp8rl_core.tracking import M_MISMATCH, TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM, TAG_SEED  # noqa: E402
+from fp8rl_core.tracking.contract import M_STEP_TIME  # noqa: E402
 
 FIG1 = "fig1_engines"
 NAN = float("nan")
@@ -98,6 +106,10 @@ class RunEngines:
     values: dict[str, float]  # MISMATCH, GEN_KL: medians over the run's steps (NaN: not logged)
     steps: int  # steps of token_mult_prob_error logged
     tags: dict[str, str]  # the run's ENGINE_TAGS that it has
+    settling: Settling | None = None  # has its mismatch median settled (analysis/settling.py)
+    accuracy: dict[str, tuple[float, float]] = field(default_factory=dict)  # val metric -> (first, last)
+    step_seconds: float = NAN  # median of step_time_s
+    reward_halves: tuple[float, float] = (NAN, NAN)  # mean reward_mean over the first and the last half of steps
 
 
 def _median(run: RunHistory, key: str) -> float:
@@ -109,7 +121,8 @@ def _median(run: RunHistory, key: str) -> float:
 def summarize_run(run: RunHistory) -> RunEngines:
     return RunEngines(run.run_id, run.run_name, run.status, run.get(TAG_SEED) or "?", arm_of(run),
                       {k: _median(run, m) for k, m in METRICS.items()}, int(run.series(M_MISMATCH)[0].size),
-                      {t: run.tags[t] for t in ENGINE_TAGS if t in run.tags})
+                      {t: run.tags[t] for t in ENGINE_TAGS if t in run.tags}, run_settling(run),
+                      accuracy_start_end(run), _median(run, M_STEP_TIME), reward_halves(run))
 
 
 @dataclass
@@ -326,6 +339,41 @@ def orderings_markdown(result: EnginesResult) -> str:
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
+def settling_markdown(result: EnginesResult) -> str:
+    """Per run: the last-half median of token_mult_prob_error at S and S' steps, its 95% interval, settled?"""
+    lines = ["| arm | seed | steps S / S' | last-half median at S | at S' | moved | 95% interval at S | settled |",
+             "|---|--:|---|--:|--:|--:|---|---|"]
+    for arm in result.arms:
+        for seed, r in sorted(result.by_arm.get(arm.label, {}).items(), key=lambda kv: _seed_key(kv[0])):
+            st_ = r.settling
+            if st_ is None:
+                continue
+            verdict = {True: "yes", False: "**no**", None: "n/a (< 4 steps)"}[st_.settled]
+            lines.append(f"| {arm.label} | {seed} | {st_.steps} / {st_.earlier_steps} | {_num(st_.median)} | "
+                         f"{_num(st_.earlier_median)} | {_num(st_.move)} | [{_num(st_.interval[0])}, "
+                         f"{_num(st_.interval[1])}] | {verdict} |")
+    n = sum(1 for r in result.runs if r.settling is not None and r.settling.settled)
+    judged = sum(1 for r in result.runs if r.settling is not None and r.settling.settled is not None)
+    return "\n".join(lines) + f"\n\n{n} of {judged} runs settled (analysis/settling.py states the rule).\n"
+
+
+def accuracy_markdown(result: EnginesResult) -> str:
+    """Per arm: mean over seeds of each validation metric at the first and the last validation step."""
+    head = " | ".join(f"{m}: start | end" for m in ACCURACY_METRICS)
+    lines = [f"| arm | runs | {head} |", "|---|--:|" + "--:|--:|" * len(ACCURACY_METRICS)]
+    for arm in result.arms:
+        members = list(result.by_arm.get(arm.label, {}).values())
+        cells = []
+        for m in ACCURACY_METRICS:
+            for i in (0, 1):
+                v = np.array([r.accuracy.get(m, (NAN, NAN))[i] for r in members], dtype=np.float64)
+                v = v[np.isfinite(v)]
+                cells.append(f"{v.mean():.3f}" if v.size else "–")
+        lines.append(f"| {arm.label} | {len(members)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\nMeans over seeds of pass@1 on the held-out prompts (val_accuracy: the arm's own " \
+        "generation engine; val_accuracy_bf16_eval: the BF16 evaluation engine on the same weights).\n"
+
+
 def result_n(result: EnginesResult) -> int:
     ns = [o.n for o in result.orderings]
     return max(ns) if ns else 0
@@ -392,7 +440,13 @@ def result_json(result: EnginesResult, cfg: AnalysisConfig, prov: dict) -> dict:
         "orderings": [o.to_dict() for o in result.orderings],
         "claims": [c.to_dict() for c in result.claims],
         "runs": [{"run_id": r.run_id, "run_name": r.run_name, "status": r.status, "seed": r.seed, "arm": r.arm.label,
-                  "steps": r.steps, **r.values, "tags": r.tags} for r in result.runs],
+                  "steps": r.steps, **r.values, "tags": r.tags, "accuracy": r.accuracy,
+                  "step_seconds": r.step_seconds, "reward_halves": r.reward_halves,
+                  "settling": None if r.settling is None else {
+                      "steps": r.settling.steps, "earlier_steps": r.settling.earlier_steps,
+                      "median": r.settling.median, "earlier_median": r.settling.earlier_median,
+                      "interval": r.settling.interval, "settled": r.settling.settled}}
+                 for r in result.runs],
     })
 
 
@@ -429,7 +483,9 @@ class EnginesReport:
 def tables_markdown(result: EnginesResult) -> str:
     return "\n".join(["## Per arm", "", arms_markdown(result), "## Per run (medians over steps)", "",
                       runs_markdown(result), "## Ordering fractions", "", orderings_markdown(result),
-                      "## Claims 1–2", "", *claim_lines(result), ""])
+                      "## Claims 1–2", "", *claim_lines(result), "",
+                      "## Has the mismatch settled?", "", settling_markdown(result),
+                      "## Validation at the start and the end", "", accuracy_markdown(result)])
 
 
 def write_engines(result: EnginesResult, runs: Sequence[RunHistory], cfg: AnalysisConfig, out_dir: str | Path,

