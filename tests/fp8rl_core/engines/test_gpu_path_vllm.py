@@ -329,7 +329,7 @@ def test_a_validation_batch_sends_the_same_request_seeds_on_every_rank(fake_vllm
 
     task = SimpleNamespace(val_examples=[SimpleNamespace(prompt=str(i)) for i in range(3)],
                            reward=lambda ex, text: 0.0)
-    tokenizer = SimpleNamespace(encode=lambda text: [1, 5 + int(text)], decode=lambda ids: "")
+    tokenizer = SimpleNamespace(encode_prompt=lambda text: [1, 5 + int(text)], decode=lambda ids: "")
 
     def seeds(rank: int, world: int) -> list[list[int]]:
         engine = vllm_engine(_cfg(tmp_path), ODD, mesh=_rank(monkeypatch, rank, world))
