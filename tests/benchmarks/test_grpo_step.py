@@ -181,7 +181,6 @@ def test_model_sizes_default_by_model_and_yield_to_the_flags(tmp_path):
 
 
 def test_model_smollm2_overrides_reach_every_row(tmp_path):
-    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed: bash scripts/setup_real_model.sh")
     args = bench.parse_args(["--model", "smollm2", "--cache-dir", str(tmp_path / "ws"), "--recipes", "bf16",
                              "fp8_e2e", "--set", "train.micro_batch_size=2"])
     overrides = bench.common_overrides(args)
@@ -201,7 +200,6 @@ def test_model_smollm2_overrides_reach_every_row(tmp_path):
 
 
 def test_model_smollm2_starts_every_row_from_the_converted_checkpoint(tmp_path, trainings, smollm2):
-    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed: bash scripts/setup_real_model.sh")
     _, folder = smollm2
     args = bench.parse_args(["--model", "smollm2", "--cache-dir", str(tmp_path / "ws")])
     plan = bench.plan_rows(args, ["bf16", "fp8_e2e", "fp32"], progress=False)
@@ -214,7 +212,6 @@ def test_model_smollm2_starts_every_row_from_the_converted_checkpoint(tmp_path, 
 def test_trl_prompt_ids_equal_ours_with_the_chat_template(tmp_path, smollm2):
     """TRL renders conversational prompts with the tokenizer's chat template (its own _tokenize_prompts, on
     a stand-in for the trainer: no model loaded, nothing trained): the very ids Tokenizer.encode_prompt gives."""
-    pytest.importorskip("reasoning_gym", reason="reasoning-gym not installed: bash scripts/setup_real_model.sh")
     trl = pytest.importorskip("trl", reason="TRL not installed: pip install trl==1.16.0")
     _, folder = smollm2
     cfg = bench.run_config(bench.parse_args(["--model", "smollm2"]), "bf16", folder)
