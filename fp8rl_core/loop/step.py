@@ -60,7 +60,7 @@ def _rollout(ctx: RunContext) -> tuple[list[list[int]], Any, torch.Tensor, float
     examples = ctx.task.sample_train(ctx.data_rng, P)
     if ctx.mesh.distributed:
         examples = [examples[i] for i in ctx.mesh.shard(P, "rollout.prompts_per_step prompts")]
-    prompts = [ctx.tokenizer.encode_prompt(ex.prompt) for ex in examples for _ in range(G)]
+    prompts = [list(ids) for ex in examples for ids in [ctx.tokenizer.encode_prompt(ex.prompt)] * G]  # rendered once
     t0 = time.perf_counter()
     out = ctx.gen.generate(prompts, sampling_params(ctx.cfg))
     seconds = time.perf_counter() - t0

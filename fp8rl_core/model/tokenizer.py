@@ -11,8 +11,10 @@ whose post-processor also adds one (Llama's) cannot produce a double BOS. A chat
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -146,6 +148,13 @@ def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str
                 add_generation_prompt: bool = True) -> str:
     """A chat template rendered as transformers renders it (ImmutableSandboxedEnvironment, trim_blocks,
     lstrip_blocks, loopcontrols; `raise_exception` and `strftime_now` available)."""
+    return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                      bos_token=bos_token, eos_token=eos_token)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    """The template compiled once (every prompt of every step is rendered with it: a hot path)."""
     try:
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -161,8 +170,7 @@ def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            bos_token=bos_token, eos_token=eos_token)
+    return env.from_string(template)
 
 
 def _unk_id(tok: HFTokenizer) -> int | None:
