@@ -537,7 +537,10 @@ HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatr
                                        "engines.kernels": "distinct", "task.scratchpad": False,
                                        "fp8.format": "block128", "fp8.lm_head": "bf16",
                                        "train.padding_free": False, "fp8.gemm": "auto",
-                                       "train.mismatch_guard": MismatchGuardSpec, "train.val_batch_size": 512}
+                                       "train.mismatch_guard": MismatchGuardSpec, "train.val_batch_size": 512,
+                                       # the reasoning-gym keys (issue 32): ids of the other tasks' cells unchanged
+                                       "task.dataset": None, "task.options": {}, "task.train_size": 10_000,
+                                       "task.instruction": "", "task.extract": "last_number"}
 # fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
 # fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
 # engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the
