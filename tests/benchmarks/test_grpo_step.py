@@ -212,7 +212,7 @@ def test_model_smollm2_starts_every_row_from_the_converted_checkpoint(tmp_path, 
 def test_trl_prompt_ids_equal_ours_with_the_chat_template(tmp_path, smollm2):
     """TRL renders conversational prompts with the tokenizer's chat template (its own _tokenize_prompts, on
     a stand-in for the trainer: no model loaded, nothing trained): the very ids Tokenizer.encode_prompt gives."""
-    trl = pytest.importorskip("trl", reason="TRL not installed: pip install trl==1.16.0")
+    import trl  # the bench extra; scripts/test.sh installs it: a missing one fails, never skips
     _, folder = smollm2
     cfg = bench.run_config(bench.parse_args(["--model", "smollm2"]), "bf16", folder)
     task, ours = bench.make_task(cfg.task), bench.load_tokenizer(cfg)
