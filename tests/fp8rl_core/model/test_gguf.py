@@ -246,7 +246,7 @@ def smol(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def hf_ref(smol):
-    transformers = pytest.importorskip("transformers")  # a dev dependency (setup.sh)
+    import transformers  # a dev dependency (setup.sh): a missing one is an error, not a skip
     return transformers.AutoModelForCausalLM.from_pretrained(smol[1], gguf_file=GGUF_NAME,
                                                              dtype=torch.float32).eval()
 
@@ -297,7 +297,7 @@ def test_bf16_logits_within_derived_bound(smol, ref_logits):
 
 @pytest.mark.slow
 def test_token_ids_equal_transformers(smol):
-    transformers = pytest.importorskip("transformers")  # a dev dependency (setup.sh)
+    import transformers  # a dev dependency (setup.sh): a missing one is an error, not a skip
     ref = transformers.AutoTokenizer.from_pretrained(smol[1], gguf_file=GGUF_NAME)
     ours = Tokenizer.from_file(smol[0])
     for text in TEXTS:
