@@ -31,6 +31,9 @@ fi
 ruff check . || { echo "ruff check failed: fix the lines above (ruff check --fix . fixes most)" >&2; exit 1; }
 # layer rules (pyproject.toml [tool.importlinter], docs/design.md "Layers"): which package may import which
 lint-imports --no-cache || { echo "lint-imports: an import crosses a layer rule (above); see docs/design.md" >&2; exit 1; }
+# free disk up front: a full run peaks near 2 GB under the pytest temp folder (pyproject keeps only failed
+# tests' folders); below that, ENOSPC would surface as unrelated errors mid-run
+df -h "${TMPDIR:-/tmp}" | tail -1 | awk '{print "free disk under the pytest temp folder: " $4}'
 set +e
 python -m pytest "$@"
 rc=$?
