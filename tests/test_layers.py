@@ -1,12 +1,15 @@
 """The layer rules of pyproject.toml [tool.importlinter] (docs/design.md "Layers") hold on this tree,
-break on one deliberate violation, and no module of ours is part of an import cycle."""
+break on one deliberate violation, hold for the imports lint-imports leaves out (those under
+`if TYPE_CHECKING:`), and no module of ours is part of an import cycle."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +40,115 @@ def test_a_deliberate_violation_breaks_them(tmp_path):
     assert out.returncode == 1, out.stdout
     assert "fp8rl_core.fp8.quant -> launchers.run.session" in out.stdout
     assert "BROKEN" in out.stdout and "core imports neither" in out.stdout
+
+
+# --- imports under `if TYPE_CHECKING:` -------------------------------------------------------------
+# lint-imports runs with exclude_type_checking_imports = true, so a type-only import that climbs a layer
+# (fp8/ naming a config type, say) passes it; this check reads the sources themselves.
+OUTSIDE_THE_CORE = ("launchers", "analysis")
+
+
+def core_layers(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, int]:
+    """fp8rl_core's top-level modules and packages -> their layer's rank (0: the top), from the layers contract."""
+    import tomllib  # Python 3.11+ (as tests/launchers/test_private_apis.py reads it)
+    contracts = tomllib.loads(pyproject.read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers" and c["containers"] == ["fp8rl_core"])
+    return {name.strip(): rank for rank, layer in enumerate(layers) for name in layer.split("|")}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(stmt: ast.stmt, package: list[str]) -> Iterator[str]:
+    """The dotted names an import statement reaches (`from a import b` reaches a.b: b may be a module)."""
+    if isinstance(stmt, ast.Import):
+        yield from (alias.name for alias in stmt.names)
+    elif isinstance(stmt, ast.ImportFrom):
+        base = package[:len(package) - stmt.level + 1] if stmt.level else []
+        module = ".".join([*base, *([stmt.module] if stmt.module else [])])
+        yield from (f"{module}.{alias.name}" for alias in stmt.names)
+
+
+def type_checking_violations(source: str, module: str, ranks: dict[str, int], is_package: bool = False) -> list[str]:
+    """`module -> target` for each import under an `if TYPE_CHECKING:` of `source` (the text of fp8rl_core
+    module `module`) that the layers contract forbids: a target in a layer above the module's own or in an
+    independent sibling (`a | b`), or outside the core (launchers, analysis)."""
+    parts = module.split(".")
+    own = parts[1] if len(parts) > 1 else None
+    if own not in ranks:
+        return []
+    package = parts if is_package else parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.If) and _is_type_checking(node.test)):
+            continue
+        for stmt in (s for b in node.body for s in ast.walk(b)):
+            for target in _imported(stmt, package):
+                top = target.split(".")
+                climbs = top[0] == "fp8rl_core" and len(top) > 1 and top[1] in ranks and top[1] != own \
+                    and ranks[top[1]] <= ranks[own]
+                if climbs or top[0] in OUTSIDE_THE_CORE:
+                    found.append(f"{module} -> {target}")
+    return found
+
+
+def _core_sources() -> Iterator[tuple[str, str, bool]]:
+    for path in sorted((ROOT / "fp8rl_core").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        is_package = rel.name == "__init__"
+        yield ".".join(rel.parts[:-1] if is_package else rel.parts), path.read_text(), is_package
+
+
+def test_no_type_checking_import_climbs_a_layer():
+    """fp8/ and model/ above all: they take the recipe's values and the fp8 `Quantization`, never a config type."""
+    ranks = core_layers()
+    sources = list(_core_sources())
+    assert sum(m.startswith(("fp8rl_core.fp8.", "fp8rl_core.model.")) for m, _, _ in sources) > 20
+    found = [v for module, text, is_package in sources for v in type_checking_violations(text, module, ranks,
+                                                                                         is_package)]
+    assert found == [], "type-only imports that climb a layer (import the type from its own layer, or " \
+                        f"describe what you read with a Protocol): {found}"
+
+
+PLANTED = """
+from __future__ import annotations
+import typing
+from typing import TYPE_CHECKING
+
+from fp8rl_core.config.recipe import Recipe as Allowed  # not type-only: lint-imports' business, not this check's
+from fp8rl_core.fp8.quantization import Quantization
+
+if TYPE_CHECKING:
+    from fp8rl_core.fp8.linear import Fp8Linear  # below model/: fine
+    from fp8rl_core.config.recipe import Recipe
+    from fp8rl_core import loop
+    from ..config import run_config
+else:
+    from fp8rl_core.engines import native_train  # runtime, not type-only
+if typing.TYPE_CHECKING:
+    import launchers.plan
+    from fp8rl_core.model.llama import CausalLM  # its own layer
+"""
+
+
+def test_a_planted_type_checking_import_is_caught():
+    ranks = core_layers()
+    assert type_checking_violations(PLANTED, "fp8rl_core.model.fp8_policy", ranks) == [
+        "fp8rl_core.model.fp8_policy -> fp8rl_core.config.recipe.Recipe",
+        "fp8rl_core.model.fp8_policy -> fp8rl_core.loop",
+        "fp8rl_core.model.fp8_policy -> fp8rl_core.config.run_config",
+        "fp8rl_core.model.fp8_policy -> launchers.plan",
+    ]
+    # what fp8/linear.py held before Quantization moved beside the kernels
+    old = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fp8rl_core.config.recipe import Quantization\n"
+    assert type_checking_violations(old, "fp8rl_core.fp8.linear", ranks) == [
+        "fp8rl_core.fp8.linear -> fp8rl_core.config.recipe.Quantization"]
+    sibling = "if TYPE_CHECKING:\n    from fp8rl_core.tasks import arithmetic\n"  # algorithms | tasks: independent
+    assert type_checking_violations(sibling, "fp8rl_core.algorithms.grpo", ranks) == [
+        "fp8rl_core.algorithms.grpo -> fp8rl_core.tasks.arithmetic"]
+    assert type_checking_violations(sibling, "fp8rl_core.loop.step", ranks) == []  # loop is above tasks
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:

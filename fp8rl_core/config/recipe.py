@@ -8,8 +8,8 @@
 The registry names the study's recipes (which engine runs FP8); the run config's `fp8` section supplies
 the knobs. Engines, Fp8Linear's conversion, the converters to vLLM and Megatron, the memory plan and
 `explain` receive this object, never a recipe name or the run config. A new recipe is one registry
-entry; a new quantization knob is one `Quantization` field named as its `fp8.*` key (resolve_recipe
-copies it) plus the kernel that reads it.
+entry; a new quantization knob is one `Quantization` field (fp8rl_core/fp8/quantization.py, beside the
+kernels) named as its `fp8.*` key (resolve_recipe copies it) plus the kernel that reads it.
 
 Torch-free: the sweep driver validates recipe names without importing torch.
 """
@@ -18,28 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from fp8rl_core.fp8.quantization import Quantization  # the kernels' configuration, re-exported here
 
-@dataclass(frozen=True)
-class Quantization:
-    """How one engine's low-precision linear layers quantize. Default: block128, E4M3 blocks with FP32
-    scales (DeepSeek-V3: weights [128, 128], activations and gradients [1, 128]).
-
-    format: a name in fp8rl_core.fp8.formats.FORMATS (block128 | tensorwise | mxfp8 | nvfp4);
-    scale_format: resolved, one of that format's scale formats (block128/tensorwise: fp32 | pow2;
-    mxfp8: e8m0; nvfp4: e4m3 block scales with an FP32 tensor scale, "e4m3_fp32").
-    """
-
-    format: str = "block128"
-    scale_format: str = "fp32"
-    check_finite: bool = True  # raise on NaN/inf before quantizing
-    # trainer only: Q(W) of the BF16 rounding of the FP32 master ("bf16", what the generation engine is
-    # refit with) or of the master itself ("master"); the generation engine quantizes what a refit sends
-    quantize_from: str = "bf16"
-
-    @property
-    def power_of_two_scales(self) -> bool:
-        """block128/tensorwise scales rounded up to 2^k (Transformer Engine's default)."""
-        return self.scale_format == "pow2"
+__all__ = ["BF16", "RECIPES", "RECIPE_KNOBS", "Quantization", "Recipe", "get_recipe", "resolve_recipe"]
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
             linear.upcast = (weight.float(), None if bias is None else bias.float())
         linear.pack_for_cpu()
         return linear
-    q = quantize_weight(weight, bias, power_of_two=spec.power_of_two_scales)
+    q = quantize_weight(weight, bias, quant=spec)  # block128 here: pow2 scales as spec.scale_format says
     return FusedLinear(q, None, starts, sizes, spec.power_of_two_scales, spec.check_finite)
 
 

@@ -8,7 +8,8 @@ gemm.py (blockwise_scaled_mm + executor choice), emulate.py (CPU/any-device exec
 cpu_gemm.py + cpu_gemm.c (the exact GEMM on AMX / AVX512_BF16 dot products), cpu_features.py (the CPU
 flags that pick kernel paths), cbuild.py (builds the C files), cuda_exec.py (Hopper scaled_mm),
 gemm_bound.py (the one error bound of every executor), preflight.py (every GEMM shape checked before a
-cell's first step), functional.py (inference linear), linear.py (Fp8Linear), convert.py (swap nn.Linear layers).
+cell's first step), functional.py (inference linear), linear.py (Fp8Linear), convert.py (swap nn.Linear layers),
+quantization.py (`Quantization`, torch-free: the one configuration of Fp8Linear and quantize_weight).
 Formats (issue 23): formats.py is the registry (FORMATS: block128 | tensorwise | mxfp8 | nvfp4, their scale
 formats, storage costs, block shapes, kernel modules); tensorwise.py, mxfp8.py, nvfp4.py hold the kernels
 (block128.py wraps the path above); lowp.py runs their linear forward/dgrad/wgrad on the emulated GEMM.
@@ -30,6 +31,7 @@ _EXPORTS = {
     "compile_enabled": "kernels", "set_compile": "kernels",
     "Fp8Linear": "linear",
     "QuantWeight": "lowp",
+    "Quantization": "quantization",
     "dequantize_mxfp8": "mxfp8", "quantize_mxfp8": "mxfp8",
     "dequantize_nvfp4": "nvfp4", "quantize_nvfp4": "nvfp4",
     "E4M3_MAX": "quant", "FP8_DTYPE": "quant", "dequantize_blockwise": "quant", "quantize_blockwise": "quant",
@@ -44,6 +46,7 @@ __all__ = [
     "Fp8Linear",
     "Fp8Weight",
     "QuantWeight",
+    "Quantization",
     "blockwise_scaled_mm",
     "compile_enabled",
     "convert_linear_layers",
@@ -74,6 +77,7 @@ if TYPE_CHECKING:
     from fp8rl_core.fp8.mxfp8 import dequantize_mxfp8, quantize_mxfp8
     from fp8rl_core.fp8.nvfp4 import dequantize_nvfp4, quantize_nvfp4
     from fp8rl_core.fp8.quant import E4M3_MAX, FP8_DTYPE, dequantize_blockwise, quantize_blockwise
+    from fp8rl_core.fp8.quantization import Quantization
     from fp8rl_core.fp8.tensorwise import dequantize_tensorwise, quantize_tensorwise
 
 

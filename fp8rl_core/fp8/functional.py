@@ -4,13 +4,13 @@
 
 x [..., K] is quantized dynamically per token and 128-wide K-block; the weight W [N, K] once per
 refit into [128, 128] blocks (`quantize_weight`). The output dtype follows x.
-Other formats (formats.py: tensorwise, mxfp8, nvfp4): `quantize_weight(w, quant=...)` returns a
-lowp.QuantWeight and `fp8_linear` runs it through lowp.py (the emulated GEMM of that format).
+`quantize_weight(w, quant=Quantization(...))` (quantization.py) takes its format and scale format from that
+one object; other formats (formats.py: tensorwise, mxfp8, nvfp4) give a lowp.QuantWeight, which `fp8_linear`
+runs through lowp.py (the emulated GEMM of that format).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +21,7 @@ from fp8rl_core.fp8.gemm import scaled_mm, select_executor
 from fp8rl_core.fp8.lowp import QuantWeight
 from fp8rl_core.fp8.operand import Operand
 from fp8rl_core.fp8.quant import as_2d, quantize_2d
-
-if TYPE_CHECKING:  # a type only: fp8/ does not import the config layer
-    from fp8rl_core.config.recipe import Quantization
+from fp8rl_core.fp8.quantization import BLOCK128, Quantization
 
 ACT_BLOCK = (1, 128)  # activations and output gradients: per token, 128 along the contraction dim
 WEIGHT_BLOCK = (128, 128)
@@ -70,17 +68,16 @@ def quantize_operand(
     return Operand(q, scale, block, deq)
 
 
-def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *, power_of_two: bool = False,
-                    quant: Quantization | None = None) -> Fp8Weight | QuantWeight:
-    """Quantize a [N, K] weight into [128, 128] blocks (done once per refit). Non-finite weights raise.
+def quantize_weight(w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                    quant: Quantization = BLOCK128) -> Fp8Weight | QuantWeight:
+    """Quantize a [N, K] weight as `quant` says (done once per refit). Non-finite weights raise.
 
-    quant (a recipe's Quantization; its knobs win over power_of_two): a format other than block128 gives
-    that format's inference weight (lowp.QuantWeight: the fprop copy only); block128 gives the Fp8Weight.
+    block128 (the default) gives the Fp8Weight in [128, 128] blocks (power-of-two scales with scale_format
+    pow2); another format gives that format's inference weight (lowp.QuantWeight: the fprop copy only).
     """
-    if quant is not None:
-        if quant.format != "block128":
-            return lowp.quantize_weight(w, bias, format=quant.format, scale_format=quant.scale_format)
-        power_of_two = resolve_scale_format("block128", quant.scale_format) == "pow2"
+    if quant.format != "block128":
+        return lowp.quantize_weight(w, bias, format=quant.format, scale_format=quant.scale_format)
+    power_of_two = resolve_scale_format("block128", quant.scale_format) == "pow2"
     if w.dim() != 2:
         raise ValueError(f"weight: expected a 2-D [out_features, in_features] tensor, got shape {tuple(w.shape)}")
     w = w.detach()

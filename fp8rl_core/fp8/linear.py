@@ -8,11 +8,12 @@ Recipe (Transformer Engine's Float8BlockScaling, DeepSeek-V3 section 3.3), X [M,
     db       = sum_tokens dY                                        (FP32)
 Every GEMM accumulates in FP32 (see gemm.py). dX follows X's dtype, dW and db the parameters' dtype.
 
-Formats (`format`, `scale_format`; a recipe's Quantization sets both, formats.py lists them): block128
-(above, the default: this module's own path, executors and fused CPU kernels) or tensorwise / mxfp8 / nvfp4,
-whose forward, dgrad and wgrad run through lowp.py with that format's kernel module choosing the block of
-each operand (module docstrings there); their Q(W) holds what fprop and dgrad contract (MXFP8: a rowwise and
-a columnwise copy), cached like block128's.
+Formats (`quant=Quantization(format, scale_format, check_finite)`, quantization.py: the layer's one
+configuration; formats.py lists the formats): block128 (above, the default: this module's own path,
+executors and fused CPU kernels) or tensorwise / mxfp8 / nvfp4, whose forward, dgrad and wgrad run through
+lowp.py with that format's kernel module choosing the block of each operand (module docstrings there);
+their Q(W) holds what fprop and dgrad contract (MXFP8: a rowwise and a columnwise copy), cached like
+block128's.
 
 Quantization source (`fp8.quantize_from`): with `quantize_dtype=torch.bfloat16` Q(W) quantizes the BF16
 rounding of the master weight, the very tensor a refit sends the generation engine and the one a
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -52,9 +52,7 @@ from fp8rl_core.fp8.functional import (
     quantize_weight,
 )
 from fp8rl_core.fp8.gemm import scaled_mm
-
-if TYPE_CHECKING:  # a type only: fp8/ does not import the config layer
-    from fp8rl_core.config.recipe import Quantization
+from fp8rl_core.fp8.quantization import BLOCK128, Quantization
 
 _optimizer_steps = 0  # every optimizer step in this process, counted by the hook below
 
@@ -161,29 +159,21 @@ class Fp8Linear(nn.Linear):
         device=None,
         dtype=None,
         *,
-        power_of_two: bool = False,
-        check_finite: bool = True,
+        quant: Quantization = BLOCK128,
         quantize_dtype: torch.dtype | None = None,
-        quant: Quantization | None = None,
-        format: str = "block128",
-        scale_format: str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._configure(power_of_two, check_finite, quantize_dtype, quant, format, scale_format)
+        self._configure(quant, quantize_dtype)
 
-    def _configure(self, power_of_two: bool, check_finite: bool, quantize_dtype: torch.dtype | None,
-                   quant: Quantization | None, format: str = "block128", scale_format: str | None = None) -> None:
-        """quant: a recipe's Quantization (fp8rl_core/config/recipe.py); its knobs win over the keywords.
-        scale_format None: "pow2" if power_of_two, else the format's default (formats.py)."""
-        if quant is not None:
-            format, scale_format, check_finite = quant.format, quant.scale_format, quant.check_finite
-        if scale_format is None:
-            scale_format = "pow2" if power_of_two else None
-        scale_format = resolve_scale_format(format, scale_format)
-        self.format = format
+    def _configure(self, quant: Quantization, quantize_dtype: torch.dtype | None) -> None:
+        """quant (quantization.py): format, scale format and finiteness checks, the layer's only knobs;
+        quantize_dtype: the dtype the weight is rounded to before Q(W) (None: as stored; see the module
+        docstring). Its quantize_from is the caller's to resolve into quantize_dtype (model/fp8_policy.py)."""
+        scale_format = resolve_scale_format(quant.format, quant.scale_format)
+        self.format = quant.format
         self.power_of_two = scale_format == "pow2"  # block128 / tensorwise scales rounded up to 2^k
         self._scale_format = scale_format
-        self.check_finite = check_finite
+        self.check_finite = quant.check_finite
         self.quantize_dtype = quantize_dtype  # round the weight to this dtype before Q(W) (None: as stored)
 
     @property
@@ -195,17 +185,17 @@ class Fp8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kw) -> Fp8Linear:
-        """Wrap an existing nn.Linear, sharing (not copying) its weight and bias Parameters."""
+        """Wrap an existing nn.Linear, sharing (not copying) its weight and bias Parameters.
+        Options: quant (a Quantization, default block128) and quantize_dtype, as the constructor's."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new._configure(kw.pop("power_of_two", False), kw.pop("check_finite", True), kw.pop("quantize_dtype", None),
-                       kw.pop("quant", None), kw.pop("format", "block128"), kw.pop("scale_format", None))
+        new._configure(kw.pop("quant", BLOCK128), kw.pop("quantize_dtype", None))
         if kw:
-            raise TypeError(f"Fp8Linear.from_linear: unexpected options {sorted(kw)}; "
-                            "valid: power_of_two, check_finite, quantize_dtype, quant, format, scale_format")
+            raise TypeError(f"Fp8Linear.from_linear: unexpected options {sorted(kw)}; valid: quant, quantize_dtype "
+                            "(format, scale_format and check_finite are fields of quant=Quantization(...))")
         new.train(linear.training)
         return new
 
@@ -223,7 +213,7 @@ class Fp8Linear(nn.Linear):
         with torch.no_grad(), torch.autocast(w.device.type, enabled=False):
             source = w if self.quantize_dtype is None else w.to(self.quantize_dtype)
             if self.format == "block128":
-                q = quantize_weight(source, None, power_of_two=self.power_of_two)
+                q = quantize_weight(source, None, quant=Quantization(scale_format=self.scale_format))
             else:
                 q = lowp.quantize_weight(source, None, format=self.format, scale_format=self.scale_format,
                                          dgrad=True)

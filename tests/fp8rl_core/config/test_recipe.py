@@ -46,6 +46,15 @@ def _knobs(**values) -> Fp8Spec:
 
 # ---- (1) every fp8.* knob reaches the recipe ---------------------------------------------------------
 
+def test_quantization_lives_with_the_kernels_and_the_config_re_exports_it():
+    import fp8rl_core.config
+    import fp8rl_core.fp8
+    from fp8rl_core.fp8.quantization import Quantization as home
+
+    assert Quantization is home is fp8rl_core.config.Quantization is fp8rl_core.fp8.Quantization
+    assert home.__module__ == "fp8rl_core.fp8.quantization"
+
+
 def test_every_fp8_knob_is_a_quantization_or_layer_field():
     """A new `fp8.*` key must be a Quantization field (copied into each FP8 side) or one of the Recipe's
     layer counts; anything else would be silently dropped by resolve_recipe."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fp8rl_core.fp8 import Fp8Linear, convert_linear_layers
+from fp8rl_core.fp8 import Fp8Linear, Quantization, convert_linear_layers
 
 
 class Block(nn.Module):
@@ -34,7 +34,8 @@ def test_converts_all_but_excluded_and_shares_parameters():
     model = Tiny()
     params_before = {n: p for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    names = convert_linear_layers(model, exclude=("lm_head", "layers.2.*"), power_of_two=True)
+    names = convert_linear_layers(model, exclude=("lm_head", "layers.2.*"),
+                                  quant=Quantization(scale_format="pow2"))
     assert names == ["layers.0.q_proj", "layers.0.up", "layers.1.q_proj", "layers.1.up"]
     for name, mod in model.named_modules():
         if name in names:

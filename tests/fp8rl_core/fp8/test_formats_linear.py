@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp8rl_core.config.recipe import Quantization
 from fp8rl_core.fp8 import (
     Fp8Linear,
     Fp8Weight,
+    Quantization,
     QuantWeight,
     dequantize_mxfp8,
     dequantize_nvfp4,
@@ -27,6 +27,7 @@ from fp8rl_core.fp8 import (
     quantize_nvfp4,
     quantize_tensorwise,
     quantize_weight,
+    resolve_scale_format,
 )
 from fp8rl_core.fp8.formats import FORMATS
 
@@ -129,20 +130,24 @@ def test_default_is_block128_and_knobs_are_validated():
     layer = Fp8Linear(64, 32)
     assert (layer.format, layer.scale_format, layer.power_of_two) == ("block128", "fp32", False)
     assert isinstance(layer.quantized_weight(), Fp8Weight)
-    assert Fp8Linear(64, 32, power_of_two=True).scale_format == "pow2"
-    tw = Fp8Linear(64, 32, format="tensorwise", scale_format="pow2")
+    assert Fp8Linear(64, 32, quant=Quantization(scale_format="pow2")).scale_format == "pow2"
+    tw = Fp8Linear(64, 32, quant=Quantization(format="tensorwise", scale_format="pow2"))
     assert tw.power_of_two and isinstance(tw.quantized_weight(), QuantWeight)
-    assert Fp8Linear(64, 32, format="mxfp8").scale_format == "e8m0"
+    assert Fp8Linear(64, 32, quant=Quantization(format="mxfp8", scale_format="e8m0")).scale_format == "e8m0"
     with pytest.raises(ValueError, match="not valid for format 'nvfp4'"):
         Fp8Linear(64, 32, quant=Quantization(format="nvfp4", scale_format="pow2"))
+    with pytest.raises(ValueError, match="not valid for format 'mxfp8'; valid: e8m0"):  # the default is fp32
+        Fp8Linear(64, 32, quant=Quantization(format="mxfp8"))
     with pytest.raises(ValueError, match="unknown format"):
-        Fp8Linear(64, 32, format="fp6")
+        Fp8Linear(64, 32, quant=Quantization(format="fp6"))
+    with pytest.raises(TypeError):  # the knobs are Quantization's fields, not keywords of the layer
+        Fp8Linear(64, 32, power_of_two=True)
 
 
 @pytest.mark.parametrize("fmt", ["tensorwise", "mxfp8", "nvfp4"])
 def test_weight_cache_and_non_finite(fmt):
     torch.manual_seed(0)
-    layer = Fp8Linear(64, 32, format=fmt)
+    layer = Fp8Linear(64, 32, quant=Quantization(format=fmt, scale_format=resolve_scale_format(fmt)))
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     q1 = layer.quantized_weight()
     assert layer.quantized_weight() is q1 and q1.dgrad is not None
@@ -205,7 +210,7 @@ def test_block128_fusion_and_inference_helpers_unchanged():
     fused = fuse_linear(mats, [None, None], Quantization())
     assert fused.starts == (0, 256) and isinstance(fused.weight, Fp8Weight)  # padded to 128 rows per shard
     head = quantized_linear(mats[0], Quantization(scale_format="pow2"))
-    w = quantize_weight(mats[0], power_of_two=True)
+    w = quantize_weight(mats[0], quant=Quantization(scale_format="pow2"))
     assert torch.equal(head.weight.q.view(torch.uint8), w.q.view(torch.uint8)) and torch.equal(head.weight.scale,
                                                                                                   w.scale)
     x = torch.randn(3, 128, dtype=torch.bfloat16)

@@ -12,7 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from fp8rl_core.fp8 import Fp8Linear, dequantize_blockwise, fp8_linear, quantize_blockwise, quantize_weight
+from fp8rl_core.fp8 import (
+    Fp8Linear,
+    Quantization,
+    dequantize_blockwise,
+    fp8_linear,
+    quantize_blockwise,
+    quantize_weight,
+)
+
+POW2 = Quantization(scale_format="pow2")
 
 ACT, WGT, COL = (1, 128), (128, 128), (128, 1)
 
@@ -122,7 +131,7 @@ def test_fp8_linear_matches_layer_forward_bit_exact():
 
 def test_power_of_two_option_reaches_quantizer():
     torch.manual_seed(0)
-    layer = Fp8Linear(256, 128, bias=False, power_of_two=True)
+    layer = Fp8Linear(256, 128, bias=False, quant=POW2)
     x = torch.randn(8, 256)
     a, b = deq64(x, ACT), deq64(layer.weight.detach(), WGT)
     qx, sx = quantize_blockwise(x, ACT, power_of_two=True)
@@ -144,7 +153,7 @@ def test_state_dict_round_trip_and_from_linear():
     back.load_state_dict(fp8.state_dict())
     assert set(fp8.state_dict()) == {"weight", "bias"}
     assert torch.equal(back.weight, lin.weight)
-    shared = Fp8Linear.from_linear(lin, power_of_two=True)
+    shared = Fp8Linear.from_linear(lin, quant=POW2)
     assert shared.weight is lin.weight and shared.bias is lin.bias and shared.power_of_two
     nobias = Fp8Linear.from_linear(nn.Linear(8, 4, bias=False))
     assert nobias.bias is None and nobias(torch.randn(2, 8)).shape == (2, 4)
@@ -152,14 +161,16 @@ def test_state_dict_round_trip_and_from_linear():
         Fp8Linear.from_linear(lin, bogus=1)
 
 
-def test_quantization_knobs_win_over_the_keywords():
-    from fp8rl_core.config.recipe import Quantization
-
+def test_quantization_is_the_one_configuration():
+    """The knobs come from the Quantization only: a per-knob keyword is refused, naming quant=Quantization."""
     lin = nn.Linear(64, 32)
     quant = Quantization(scale_format="pow2", check_finite=False)
-    for layer in (Fp8Linear.from_linear(lin, power_of_two=False, check_finite=True, quant=quant),
-                  Fp8Linear(64, 32, quant=quant)):
+    for layer in (Fp8Linear.from_linear(lin, quant=quant), Fp8Linear(64, 32, quant=quant)):
         assert layer.power_of_two and not layer.check_finite
+    with pytest.raises(TypeError, match=r"\['check_finite', 'power_of_two'\].*quant=Quantization"):
+        Fp8Linear.from_linear(lin, power_of_two=False, check_finite=True, quant=quant)
+    with pytest.raises(TypeError):
+        quantize_weight(lin.weight, power_of_two=True)
     plain = Fp8Linear.from_linear(lin, quant=Quantization())
     assert not plain.power_of_two and plain.check_finite and plain.weight is lin.weight
 
@@ -239,7 +250,6 @@ def test_quantize_dtype_bf16_quantizes_what_the_generation_engine_quantizes():
     refit does (`fuse_linear` on the BF16 copy it is sent); None: Q of the FP32 master, which differs for
     a weight whose values are not BF16-representable. Under autocast the trainer's forward then equals
     the engine's FP8 linear bit for bit."""
-    from fp8rl_core.config.recipe import Quantization
     from fp8rl_core.engines.native_gen import fuse_linear
 
     torch.manual_seed(0)
