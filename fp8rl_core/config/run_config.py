@@ -15,15 +15,18 @@ import yaml
 from fp8rl_core.config.recipe import RECIPES, Recipe, resolve_recipe
 from fp8rl_core.config.schema import (
     ConfigError,
+    KeySpec,
     Range,
     above,
     at_least,
     between,
     build,
     check_ranges,
+    defaults_where,
     fail,
     get_dotted,
     parse_override,
+    ranges_of,
     set_dotted,
     stable_hash,
     to_dict,
@@ -469,58 +472,17 @@ class RunConfig:
     def _check_low_precision_knobs(self, not_native: list[str]) -> None:
         """The formats, an FP8 LM head and master-sourced quantization run in the native engines (exact
         emulation); vLLM and Megatron-Core are wired for block128 from BF16 weights with a BF16 head."""
-        recipe, f = RECIPES[self.recipe], self.fp8
-        used = [k for k, v, d in (("fp8.format", f.format, "block128"), ("fp8.lm_head", f.lm_head, "bf16"),
-                                  ("fp8.quantize_from", f.quantize_from, "bf16"), ("fp8.gemm", f.gemm, "auto"))
-                if v != d]
+        recipe = RECIPES[self.recipe]
         quantizes = {"engines.generation": recipe.fp8_generation, "engines.training": recipe.fp8_training}
         engines = [k for k in not_native if quantizes[k]]
-        if used and engines:
-            fail(used[0], f"{get_dotted(to_dict(self), used[0])!r} runs in the native engines only; "
+        if not engines:
+            return
+        data = to_dict(self)
+        used = [k for k, d in NATIVE_ONLY_KEYS.items() if get_dotted(data, k) != unset_value(d)]  # in KEYS' order
+        if used:
+            fail(used[0], f"{get_dotted(data, used[0])!r} runs in the native engines only; "
                           f"{engines[0]} is not native (its FP8 path is block128 from BF16 weights, BF16 head)",
                  "the default, or native engines")
-
-
-# The allowed range of every numeric key, one table: each section's validate checks its keys against it
-# first (schema.check_ranges), at the edge (load_run_config, fp8rl-train --print-config, sweep plan and
-# run, every grid cell), so a value that would fail inside a cell, or silently do nothing, is refused
-# before any work. A new numeric key needs an entry (tests/fp8rl_core/config/test_ranges.py fails
-# without one); an optional key may also be null.
-RANGES: dict[str, Range] = {
-    "seed": Range(0, 2**31 - 1, why="vLLM and numpy take 32-bit seeds; ranks' seeds are 31-bit too"),
-    "threads": at_least(0),
-    "fp8.bf16_first_layers": at_least(0), "fp8.bf16_last_layers": at_least(0),
-    "task.digits": between(1, 9), "task.min_digits": between(1, 9), "task.val_size": at_least(1),
-    "task.data_seed": at_least(0), "task.train_size": at_least(1), "task.warmstart_digits": between(1, 9),
-    "task.warmstart_full_fraction": between(0, 1), "task.warmstart_label_noise": between(0, 1),
-    "warmstart.steps": at_least(0), "warmstart.target_accuracy": between(0, 1), "warmstart.eval_every": at_least(1),
-    "warmstart.dev_size": at_least(1), "warmstart.batch_size": at_least(1), "warmstart.lr": above(0),
-    "rollout.prompts_per_step": at_least(1), "rollout.samples_per_prompt": at_least(1),
-    "rollout.max_new_tokens": at_least(1),
-    "rollout.temperature": Range(0, open_low=True, why="greedy decoding is for validation only"),
-    "rollout.top_p": Range(0, 1, open_low=True), "rollout.top_k": at_least(0),
-    "loss.is_cap": above(0), "loss.is_low": at_least(0), "loss.is_high": at_least(0),
-    "loss.clip_low": between(0, 1), "loss.clip_high": at_least(0), "loss.kl_coef": at_least(0),
-    "loss.kl_clamp": above(0),
-    "optim.lr": above(0), "optim.weight_decay": at_least(0), "optim.betas": Range(0, 1, open_high=True),
-    "optim.eps": above(0), "optim.grad_clip": Range(), "optim.micro_steps": at_least(1),  # grad_clip <= 0: off
-    "train.steps": at_least(1), "train.val_every": at_least(1), "train.val_samples": at_least(0),
-    "train.val_batch_size": at_least(1),
-    "train.checkpoint_every": at_least(1), "train.micro_batch_size": at_least(0),
-    "train.logprob_batch_size": at_least(0),
-    "train.mismatch_guard.max_mismatch": Range(1, open_low=True, why="token_mult_prob_error >= 1: a band ending "
-                                               "at 1 or below would catch every step or sequence with any mismatch"),
-    "train.mismatch_guard.max_grad_norm": Range(),  # <= 0: off
-    "engines.vllm.max_model_len": Range(2, why="tokens: the longest prompt + max_new_tokens"),
-    "engines.vllm.gpu_memory_utilization": Range(0, 1, open_low=True),
-    "engines.vllm.kv_cache_memory_bytes": at_least(1), "engines.vllm.max_num_seqs": at_least(1),
-    "engines.vllm.tensor_parallel_size": at_least(1),
-    "engines.megatron.tensor_parallel_size": at_least(1), "engines.megatron.pipeline_parallel_size": at_least(1),
-    "engines.megatron.pad_tokens_to": at_least(1),
-    "parallel.timeout_s": above(0),
-    "diagnostics.worst_tokens_every": at_least(0), "diagnostics.worst_tokens_k": at_least(0),
-    "diagnostics.context_tokens": at_least(0),
-}
 
 
 # Where-to-write fields: they do not change what a run computes, so they are not part of a cell's id.
@@ -528,25 +490,90 @@ RANGES: dict[str, Range] = {
 # native attention's BF16 rounding of its probabilities), like `threads`: the same recipe, not a new cell.
 HASH_EXCLUDE = ("output_dir", "threads", "tracking", "warmstart.cache_dir", "parallel.timeout_s", "diagnostics",
                 "model.bf16_compute")
-# Sections added after cell ids existed: hashed only where they differ from their defaults, so that the
-# id of every config written before them (and of every config that leaves them alone) stays the same.
-# A value is the default itself, or the spec class whose default instance is it.
-HASH_IF_NOT_DEFAULT: dict[str, Any] = {"engines.vllm": VllmSpec, "engines.megatron": MegatronSpec,
-                                       "parallel.grad_reduce": "micro_batch", "parallel.reshard_after_forward": True,
-                                       "parallel.mixed_precision": "none",
-                                       "engines.kernels": "distinct", "task.scratchpad": False,
-                                       "fp8.format": "block128", "fp8.lm_head": "bf16",
-                                       "train.padding_free": False, "fp8.gemm": "auto",
-                                       "train.mismatch_guard": MismatchGuardSpec, "train.val_batch_size": 512,
-                                       # the reasoning-gym keys (issue 32): ids of the other tasks' cells unchanged
-                                       "task.dataset": None, "task.options": {}, "task.train_size": 10_000,
-                                       "task.instruction": "", "task.extract": "last_number"}
-# fp8.quantize_from changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so
-# fp8_e2e's ids changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation
-# engine honours it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids; the
-# bf16 recipe quantizes nothing, so no fp8.* key that came after ids existed enters its id.
-HASH_FP8_TRAINING_ONLY = ("fp8.quantize_from",)
-FP8_ONLY_KEYS = ("fp8.quantize_from", "fp8.format", "fp8.lm_head", "fp8.gemm")
+# Every run-config key that validation or the cell id must know more of than its type, one row each
+# (schema.KeySpec: its range, its default, how it enters the cell id, whether it is fp8-only or native-only).
+# The tables below are derived from the rows; a new numeric key, a key added after cell ids existed, or a new
+# fp8.* knob is one row here. Ranges are checked first by each section's validate (schema.check_ranges), at the
+# edge (load_run_config, fp8rl-train --print-config, sweep plan and run, every grid cell), so a value that would
+# fail inside a cell, or silently do nothing, is refused before any work; a new numeric key needs a range
+# (tests/fp8rl_core/config/test_ranges.py fails without one); an optional key may also be null. A `default` here
+# is the value at which a key added after ids existed leaves the id: frozen when the key came, never changed.
+_FP8_KNOB = {"hashed": "when_set", "fp8_only": True, "native_only": True}  # an fp8.* knob added after ids existed
+KEYS: tuple[KeySpec, ...] = (
+    KeySpec("seed", Range(0, 2**31 - 1, why="vLLM and numpy take 32-bit seeds; ranks' seeds are 31-bit too")),
+    KeySpec("threads", at_least(0)),
+    # fp8: every knob added after ids existed is fp8-only (the bf16 recipe quantizes nothing, so none enters its id)
+    # and native-only (vLLM and Megatron-Core are wired for block128 from BF16 weights with a BF16 head)
+    KeySpec("fp8.bf16_first_layers", at_least(0)), KeySpec("fp8.bf16_last_layers", at_least(0)),
+    KeySpec("fp8.format", default="block128", **_FP8_KNOB), KeySpec("fp8.lm_head", default="bf16", **_FP8_KNOB),
+    # it changed fp8_e2e's numerics when it came (the trainer used to quantize its FP32 master), so fp8_e2e's ids
+    # changed with it and an old fp8_e2e result is never taken for a new one. fp8_gen's generation engine honours
+    # it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids
+    KeySpec("fp8.quantize_from", default="bf16", hashed="when_set_or_fp8_training", fp8_only=True, native_only=True),
+    KeySpec("fp8.gemm", default="auto", **_FP8_KNOB),
+    KeySpec("task.digits", between(1, 9)), KeySpec("task.min_digits", between(1, 9)),
+    KeySpec("task.val_size", at_least(1)), KeySpec("task.data_seed", at_least(0)),
+    KeySpec("task.warmstart_digits", between(1, 9)), KeySpec("task.warmstart_full_fraction", between(0, 1)),
+    KeySpec("task.warmstart_label_noise", between(0, 1)),
+    KeySpec("task.scratchpad", default=False, hashed="when_set"),
+    # the reasoning-gym keys (issue 32): ids of the other tasks' cells unchanged
+    KeySpec("task.dataset", default=None, hashed="when_set"), KeySpec("task.options", default={}, hashed="when_set"),
+    KeySpec("task.train_size", at_least(1), default=10_000, hashed="when_set"),
+    KeySpec("task.instruction", default="", hashed="when_set"),
+    KeySpec("task.extract", default="last_number", hashed="when_set"),
+    KeySpec("warmstart.steps", at_least(0)), KeySpec("warmstart.target_accuracy", between(0, 1)),
+    KeySpec("warmstart.eval_every", at_least(1)), KeySpec("warmstart.dev_size", at_least(1)),
+    KeySpec("warmstart.batch_size", at_least(1)), KeySpec("warmstart.lr", above(0)),
+    KeySpec("rollout.prompts_per_step", at_least(1)), KeySpec("rollout.samples_per_prompt", at_least(1)),
+    KeySpec("rollout.max_new_tokens", at_least(1)),
+    KeySpec("rollout.temperature", Range(0, open_low=True, why="greedy decoding is for validation only")),
+    KeySpec("rollout.top_p", Range(0, 1, open_low=True)), KeySpec("rollout.top_k", at_least(0)),
+    KeySpec("loss.is_cap", above(0)), KeySpec("loss.is_low", at_least(0)), KeySpec("loss.is_high", at_least(0)),
+    KeySpec("loss.clip_low", between(0, 1)), KeySpec("loss.clip_high", at_least(0)),
+    KeySpec("loss.kl_coef", at_least(0)), KeySpec("loss.kl_clamp", above(0)),
+    KeySpec("optim.lr", above(0)), KeySpec("optim.weight_decay", at_least(0)),
+    KeySpec("optim.betas", Range(0, 1, open_high=True)), KeySpec("optim.eps", above(0)),
+    KeySpec("optim.grad_clip", Range()),  # <= 0: off
+    KeySpec("optim.micro_steps", at_least(1)),
+    KeySpec("train.steps", at_least(1)), KeySpec("train.val_every", at_least(1)),
+    KeySpec("train.val_samples", at_least(0)),
+    KeySpec("train.val_batch_size", at_least(1), default=512, hashed="when_set"),
+    KeySpec("train.checkpoint_every", at_least(1)), KeySpec("train.micro_batch_size", at_least(0)),
+    KeySpec("train.logprob_batch_size", at_least(0)),
+    KeySpec("train.padding_free", default=False, hashed="when_set"),
+    KeySpec("train.mismatch_guard", default=MismatchGuardSpec, hashed="when_set"),
+    KeySpec("train.mismatch_guard.max_mismatch", Range(1, open_low=True, why="token_mult_prob_error >= 1: a band "
+                                                       "ending at 1 or below would catch every step or sequence "
+                                                       "with any mismatch")),
+    KeySpec("train.mismatch_guard.max_grad_norm", Range()),  # <= 0: off
+    KeySpec("engines.kernels", default="distinct", hashed="when_set"),
+    KeySpec("engines.vllm", default=VllmSpec, hashed="when_set"),
+    KeySpec("engines.vllm.max_model_len", Range(2, why="tokens: the longest prompt + max_new_tokens")),
+    KeySpec("engines.vllm.gpu_memory_utilization", Range(0, 1, open_low=True)),
+    KeySpec("engines.vllm.kv_cache_memory_bytes", at_least(1)), KeySpec("engines.vllm.max_num_seqs", at_least(1)),
+    KeySpec("engines.vllm.tensor_parallel_size", at_least(1)),
+    KeySpec("engines.megatron", default=MegatronSpec, hashed="when_set"),
+    KeySpec("engines.megatron.tensor_parallel_size", at_least(1)),
+    KeySpec("engines.megatron.pipeline_parallel_size", at_least(1)),
+    KeySpec("engines.megatron.pad_tokens_to", at_least(1)),
+    KeySpec("parallel.timeout_s", above(0)),
+    KeySpec("parallel.grad_reduce", default="micro_batch", hashed="when_set"),
+    KeySpec("parallel.reshard_after_forward", default=True, hashed="when_set"),
+    KeySpec("parallel.mixed_precision", default="none", hashed="when_set"),
+    KeySpec("diagnostics.worst_tokens_every", at_least(0)), KeySpec("diagnostics.worst_tokens_k", at_least(0)),
+    KeySpec("diagnostics.context_tokens", at_least(0)),
+)
+RANGES: dict[str, Range] = ranges_of(KEYS)  # key -> allowed range (each section's validate)
+# Keys added after cell ids existed: hashed only where they differ from their defaults, so that the id of every
+# config written before them (and of every config that leaves them alone) stays the same. A value is the default
+# itself, or the spec class whose default instance is it.
+HASH_IF_NOT_DEFAULT: dict[str, Any] = defaults_where(KEYS, hashed="when_set")
+# as HASH_IF_NOT_DEFAULT for a recipe that does not train in FP8; always hashed for one that does
+_HASHED_FOR_FP8_TRAINING: dict[str, Any] = defaults_where(KEYS, hashed="when_set_or_fp8_training")  # key -> default
+HASH_FP8_TRAINING_ONLY: tuple[str, ...] = tuple(_HASHED_FOR_FP8_TRAINING)
+FP8_ONLY_KEYS: tuple[str, ...] = tuple(k.key for k in KEYS if k.fp8_only)  # not in the bf16 recipe's id
+# key -> its default, the one value allowed where a side that quantizes runs in vLLM or Megatron-Core
+NATIVE_ONLY_KEYS: dict[str, Any] = defaults_where(KEYS, native_only=True)
 
 
 def run_config_from_dict(data: dict[str, Any] | None, where: str = "") -> RunConfig:
@@ -599,10 +626,10 @@ def strip_unhashed(data: dict[str, Any]) -> dict[str, Any]:
     if recipe is not None and not recipe.fp8_generation:
         drop += FP8_ONLY_KEYS
     elif recipe is not None and not recipe.fp8_training:
-        drop += [k for k in HASH_FP8_TRAINING_ONLY if get_dotted(data, k, "bf16") == "bf16"]
+        drop += [k for k, d in _HASHED_FOR_FP8_TRAINING.items()
+                 if get_dotted(data, k, unset_value(d)) == unset_value(d)]
     for key, default in HASH_IF_NOT_DEFAULT.items():
-        value = get_dotted(data, key, _MISSING)
-        if value == (to_dict(default()) if isinstance(default, type) else default):
+        if get_dotted(data, key, _MISSING) == unset_value(default):
             drop.append(key)
     for key in drop:
         _drop(data, key)
@@ -610,6 +637,11 @@ def strip_unhashed(data: dict[str, Any]) -> dict[str, Any]:
 
 
 _MISSING = object()
+
+
+def unset_value(default: Any) -> Any:
+    """A KeySpec default as the config dict holds it: a spec class stands for its default instance."""
+    return to_dict(default()) if isinstance(default, type) else default
 
 
 def _canonical_scales(data: dict[str, Any]) -> None:

@@ -83,6 +83,65 @@ def between(low: float, high: float) -> Range:
     return Range(low, high)
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # a KeySpec without a default
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpec:
+    """One run-config key's row in the table of keys (run_config.KEYS): its allowed range and what the cell
+    id and the engine checks need to know of it. The tables the code reads (RANGES, HASH_IF_NOT_DEFAULT,
+    HASH_FP8_TRAINING_ONLY, FP8_ONLY_KEYS, NATIVE_ONLY_KEYS) are derived from the rows.
+
+    key: dotted (`fp8.format`), or a whole section (`engines.vllm`).
+    range: a numeric key's allowed values (check_ranges); None: not numeric.
+    default: the value at which the key counts as unset, frozen when the key came (not read from the
+        dataclass, so that a changed default cannot move old ids); a spec class stands for its default
+        instance. Needed by `hashed` other than "always" and by `native_only`.
+    hashed: "always" (the key existed with the first cell ids); "when_set": it came later and enters the id
+        only where it differs from `default`, so the ids written before it stay; "when_set_or_fp8_training":
+        as "when_set", but always for a recipe that trains in FP8 (whose numerics it changed when it came).
+    fp8_only: left out of the id of a recipe that quantizes nothing (an `fp8.*` key the bf16 recipe ignores).
+    native_only: a value other than `default` runs in the native engines only; with vLLM or Megatron-Core on
+        a side that quantizes it is a config error.
+    """
+
+    key: str
+    range: Range | None = None
+    default: Any = UNSET
+    hashed: Literal["always", "when_set", "when_set_or_fp8_training"] = "always"
+    fp8_only: bool = False
+    native_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hashed not in ("always", "when_set", "when_set_or_fp8_training"):
+            raise ValueError(f"KeySpec {self.key!r}: hashed={self.hashed!r}; valid: always, when_set, "
+                             "when_set_or_fp8_training")
+        if self.default is UNSET and (self.hashed != "always" or self.native_only):
+            raise ValueError(f"KeySpec {self.key!r}: hashed={self.hashed!r} / native_only need the key's "
+                             "default (the value at which it counts as unset)")
+        if self.fp8_only and not self.key.startswith("fp8."):
+            raise ValueError(f"KeySpec {self.key!r}: fp8_only is for fp8.* keys")
+
+
+def _keys_where(keys: typing.Iterable[KeySpec], **match: Any) -> list[KeySpec]:
+    return [k for k in keys if all(getattr(k, name) == value for name, value in match.items())]
+
+
+def ranges_of(keys: typing.Iterable[KeySpec]) -> dict[str, Range]:
+    """key -> Range of the numeric rows (what check_ranges reads)."""
+    return {k.key: k.range for k in keys if k.range is not None}
+
+
+def defaults_where(keys: typing.Iterable[KeySpec], **match: Any) -> dict[str, Any]:
+    """key -> default of the rows whose fields equal `match` (e.g. hashed="when_set")."""
+    return {k.key: k.default for k in _keys_where(keys, **match)}
+
+
 def numeric_fields(cls: type) -> list[tuple[str, bool]]:
     """(name, is_list) of a dataclass's numeric fields: int and float, optional or not, and lists of them.
 
