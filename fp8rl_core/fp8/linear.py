@@ -169,6 +169,8 @@ class Fp8Linear(nn.Linear):
         """quant (quantization.py): format, scale format and finiteness checks, the layer's only knobs;
         quantize_dtype: the dtype the weight is rounded to before Q(W) (None: as stored; see the module
         docstring). Its quantize_from is the caller's to resolve into quantize_dtype (model/fp8_policy.py)."""
+        if not isinstance(quant, Quantization):
+            raise TypeError(f"Fp8Linear: quant must be a Quantization (fp8rl_core.fp8.quantization), got {quant!r}")
         scale_format = resolve_scale_format(quant.format, quant.scale_format)
         self.format = quant.format
         self.power_of_two = scale_format == "pow2"  # block128 / tensorwise scales rounded up to 2^k

@@ -171,6 +171,8 @@ def test_quantization_is_the_one_configuration():
         Fp8Linear.from_linear(lin, power_of_two=False, check_finite=True, quant=quant)
     with pytest.raises(TypeError):
         quantize_weight(lin.weight, power_of_two=True)
+    with pytest.raises(TypeError, match="quant must be a Quantization"):
+        Fp8Linear(64, 32, quant=None)
     plain = Fp8Linear.from_linear(lin, quant=Quantization())
     assert not plain.power_of_two and plain.check_finite and plain.weight is lin.weight
 
