@@ -25,7 +25,7 @@ slower paths on a faster CPU (cpu_features.py).
 Applies to: CPU tensors, FP32/BF16 input, 2-D, nonempty, all blocks finite (otherwise the reference
 runs and raises or propagates NaN/inf exactly as before). Env: FP8RL_FUSED=0 turns it off;
 FP8RL_KERNEL_CACHE=<dir> moves the cache (default ~/.cache/fp8rl/kernels). The cache key hashes the
-source, the flags, the compiler's version and this CPU's model and flags (-march=native), so a node
+source and its header, the flags, the compiler's version and this CPU's model and flags (-march=native), so a node
 of another CPU type builds its own copy; concurrent builders write a temporary file and rename it.
 The codes passed to and returned by the C functions come from fp8rl_kernels.h (cbuild.constants).
 """

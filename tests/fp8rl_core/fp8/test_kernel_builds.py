@@ -3,6 +3,7 @@ select (compiling for a target needs no CPU that runs it, so the AMX build is ch
 and the bit-exactness cases rerun on AddressSanitizer + UBSan builds (only the paths this CPU runs)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
@@ -33,6 +34,30 @@ def test_every_header_define_reaches_python():
     assert named and named == set(cbuild.constants())
     assert fused_cpu.SIMD_PATHS[cbuild.constants()["FP8RL_SIMD_AVX2"]] == "avx2"
     assert (cpu_gemm.BK, cpu_gemm.PATHS["amx"]) == (128, cbuild.constants()["FP8RL_GEMM_PATH_AMX"])
+
+
+_CTYPES = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "fp8rl_scales": cpu_gemm._Scales}
+
+
+def _prototypes() -> dict[str, list]:
+    """The header's function prototypes as ctypes argument types (any pointer: c_void_p)."""
+    out = {}
+    for name, params in re.findall(r"^(?:int|void) (fp8rl_\w+)\(([^)]*)\);", cbuild.HEADER.read_text(), re.MULTILINE):
+        types = [" ".join(p.split()[:-1]) if "*" not in p else "*" for p in params.split(",") if p.strip() != "void"]
+        out[name] = [ctypes.c_void_p if t == "*" else _CTYPES[t.replace("const ", "")] for t in types]
+    return out
+
+
+@needs_cc
+def test_wrappers_declare_the_headers_signatures():
+    """Every prototype of the header is declared with the same argument types by the wrapper that loads it."""
+    protos = _prototypes()
+    assert {"fp8rl_quantize", "fp8rl_dequantize", "fp8rl_gemm", "fp8rl_gemm_codes", "fp8rl_pack_b"} <= set(protos)
+    libs = [fused_cpu.load(fused_cpu.build()), cpu_gemm.load(cbuild.build(cpu_gemm.SOURCE))]
+    for name, argtypes in protos.items():
+        lib = next(lib for lib in libs if hasattr(lib, name))
+        declared = getattr(lib, name).argtypes
+        assert list(declared or []) == argtypes, name
 
 
 @needs_cc
