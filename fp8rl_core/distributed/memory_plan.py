@@ -115,11 +115,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.config import recipe_of, val_batch_rows
+from fp8rl_core.config import RunConfig, recipe_of, val_batch_rows
 from fp8rl_core.fp8.formats import FORMATS
 from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
@@ -292,82 +293,161 @@ def _training(cfg: Any, lay: Layout, p: ParamCounts, rows: int, fsdp: dict[str, 
     return {**({"grads": grads} if grads else {}), **saved, **fsdp}
 
 
-def plan_memory(model_config: Any, layout: Layout) -> MemoryPlan:
-    """Per-rank peak memory of a GRPO step for `model_config` (see load_model_config) run as `layout`."""
-    cfg = load_model_config(model_config)
-    p = count_parameters(cfg)
-    lay, W = layout, layout.world_size
-    S = W if lay.trainer_sharded else 1  # how many ways the trainer's state is split
-    resident = {"params": 4 * p.total // S, "optimizer": 8 * p.total // S,
-                "reference": 2 * p.total // S if lay.reference else 0}
-    gen_weights = (quantized_linear_bytes(p, lay.fp8_format) + 2 * (p.total - p.block_linear)
-                   if lay.fp8_generation else 2 * p.total)
+def _trainer_state(p: ParamCounts, lay: Layout) -> dict[str, int]:
+    """Resident trainer state, split S ways (S = W under FSDP2, 1 for Megatron's replicas):
+    params 4 N / S (FP32), optimizer 8 N / S (AdamW's two FP32 moments), reference 2 N / S (BF16, kl_coef > 0)."""
+    S = lay.world_size if lay.trainer_sharded else 1
+    return {"params": 4 * p.total // S, "optimizer": 8 * p.total // S,
+            "reference": 2 * p.total // S if lay.reference else 0}
+
+
+def _generation_weight_bytes(p: ParamCounts, lay: Layout) -> int:
+    """The generation engine's weight copy: 2 N (BF16); FP8 generation: the block linears in fp8.format
+    (Format.weight_bytes) + 2 (N - N_lin) for the rest."""
+    if not lay.fp8_generation:
+        return 2 * p.total
+    return quantized_linear_bytes(p, lay.fp8_format) + 2 * (p.total - p.block_linear)
+
+
+def _fsdp_buffers(cfg: ModelConfig, p: ParamCounts, lay: Layout) -> dict[str, int]:
+    """FSDP2's unsharded copies (W > 1, sharded trainer): per_block N_blk + 8 N_root, per_block = 2 g + 4
+    (g = 4 B per gathered parameter: two blocks in flight + one block's FP32 gradients) or 2 g + 6 with BF16
+    gathers (g = 2: BF16 gradients + their FP32 copy); reshard_after_forward false adds g N_blk (L - 2)."""
+    if lay.world_size == 1 or not lay.trainer_sharded:
+        return {}
     gathered = 2 if lay.bf16_gather else 4  # bytes per gathered parameter (parallel.mixed_precision)
-    # two blocks in flight + one block's gradients (BF16-gathered: BF16 gradients + their FP32 copy to reduce)
     per_block = 2 * gathered + (6 if lay.bf16_gather else 4)
-    fsdp = {"fsdp_unsharded": per_block * p.block + 8 * p.root} if W > 1 and lay.trainer_sharded else {}
-    if fsdp and not lay.reshard_after_forward:  # every block gathered from its first forward to the last backward
+    fsdp = {"fsdp_unsharded": per_block * p.block + 8 * p.root}
+    if not lay.reshard_after_forward:  # every block gathered from its first forward to the last backward
         fsdp["fsdp_kept_gathered"] = gathered * p.block * max(cfg.num_hidden_layers - 2, 0)
+    return fsdp
+
+
+def _kv_bytes_per_token(cfg: ModelConfig) -> int:
+    """KV cache bytes per token: L x 2 (K and V) x kv_heads x head_dim x 2 B (BF16)."""
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+
+
+@dataclass(frozen=True)
+class _Engine:
+    """What the generation engine adds to a plan: its phases ("generation", and "refit" / "validation" where
+    they run, in that order), the bytes it keeps resident in every phase, and those it parks on the host."""
+
+    phases: dict[str, dict[str, int]]
+    resident: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+
+def _vllm_generation(cfg: ModelConfig, lay: Layout, gen_weights: int) -> dict[str, int]:
+    """vLLM awake: gen_weights / TP, kv_cache / TP with kv_cache = kv_cache_memory_bytes or
+    concurrency x (max_model_len or T) x kv bytes per token; on CUDA gen_activations =
+    VLLM_BATCHED_TOKENS x (4 I + 8 h) + concurrency x V x 8 B."""
+    rows, tp = lay.rows_per_rank, max(lay.vllm_tensor_parallel, 1)
+    conc = min(lay.vllm_concurrency or rows, rows)  # sequences at once (also the native evaluator's batch)
+    kv = lay.vllm_kv_cache_bytes or conc * (lay.vllm_max_model_len or lay.tokens) * _kv_bytes_per_token(cfg)
+    gen = {"gen_weights": gen_weights // tp, "kv_cache": kv // tp}
+    if lay.device == "cuda":
+        gen["gen_activations"] = (VLLM_BATCHED_TOKENS * (4 * cfg.intermediate_size + 8 * cfg.hidden_size)
+                                  + conc * cfg.vocab_size * 8)
+    return gen
+
+
+def _vllm_engine(cfg: ModelConfig, lay: Layout, p: ParamCounts, gen_weights: int) -> _Engine:
+    """vLLM: generation and refit phases (refit_stream = 6 T_max + 2 N_blk beside its awake weights), the
+    native BF16 evaluator's validation phase (bf16_engine recipes); without sleep mode its weights and KV
+    pool are resident instead. Level-2 sleep discards the weights wherever a refit follows; while the BF16
+    evaluator validates, the arm's engine sleeps at level 1 (its weights on the host serve the next rollout)."""
+    gen = _vllm_generation(cfg, lay, gen_weights)
+    stream = 6 * p.largest + 2 * p.block  # one gathered FP32 tensor + its copy + vLLM's staged block
+    refit = {"gen_weights": gen["gen_weights"], "refit_stream": stream}
+    phases, resident, host = {"generation": gen, "refit": refit}, {}, {}
+    if lay.bf16_engine and lay.val_prompts:  # the native BF16 evaluator, validation only (module docstring)
+        phases["validation"] = _evaluator_phase(cfg, lay, p, _kv_bytes_per_token(cfg), stream, gen["gen_weights"])
+    if not lay.vllm_sleep:
+        resident = {k: v for k, v in gen.items() if k != "gen_activations"}
+        phases["generation"] = {k: v for k, v in gen.items() if k == "gen_activations"}
+        phases["refit"] = {"refit_stream": stream}
+    elif lay.bf16_engine:
+        host["gen_weights"] = gen["gen_weights"]
+    return _Engine(phases, resident, host)
+
+
+def _native_engine(cfg: ModelConfig, lay: Layout, p: ParamCounts, gen_weights: int) -> _Engine:
+    """The native engine: its weights resident (+ 2 N for the BF16 engine beside an FP8 one), KV cache
+    b_gen x T x kv bytes per token (b_gen = generation_batch_size, else every row, else 1 when paged), and a
+    validation phase of the largest validation batch's KV cache (not paged: a paged engine pages it too)."""
+    resident = {"gen_weights": gen_weights, **({"bf16_engine": 2 * p.total} if lay.bf16_engine else {})}
+    rows, kv_token = lay.rows_per_rank, _kv_bytes_per_token(cfg)
+    gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
+    phases = {"generation": {"kv_cache": gen_rows * lay.tokens * kv_token}}
+    if lay.val_prompts and not lay.paged_kv:  # the native engines decode one validation batch at once
+        phases["validation"] = {"val_kv_cache": max(sum(val_batches(lay), []), default=0) * lay.tokens * kv_token}
+    return _Engine(phases, resident)
+
+
+def _step_phases(cfg: ModelConfig, lay: Layout, p: ParamCounts, engine: _Engine, fsdp: dict[str, int]
+                 ) -> dict[str, dict[str, int]]:
+    """Every phase's parts beside the resident ones: generation, logprobs (b_lp x T x V x 14 B + fsdp),
+    training (_training at b_mb), then the engine's refit and validation where they run."""
     rows = lay.rows_per_rank
-    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
-    host: dict[str, int] = {}
-    if lay.vllm:
-        tp = max(lay.vllm_tensor_parallel, 1)
-        conc = min(lay.vllm_concurrency or rows, rows)  # sequences at once (also the native evaluator's batch)
-        kv = lay.vllm_kv_cache_bytes or conc * (lay.vllm_max_model_len or lay.tokens) * kv_token
-        gen = {"gen_weights": gen_weights // tp, "kv_cache": kv // tp}
-        stream = 6 * p.largest + 2 * p.block  # one gathered FP32 tensor + its copy + vLLM's staged block
-        refit = {"gen_weights": gen["gen_weights"], "refit_stream": stream}
-        if lay.device == "cuda":
-            gen["gen_activations"] = (VLLM_BATCHED_TOKENS * (4 * cfg.intermediate_size + 8 * cfg.hidden_size)
-                                      + conc * cfg.vocab_size * 8)
-        if lay.bf16_engine:  # the native BF16 evaluator, validation only (module docstring)
-            validation = _evaluator_phase(cfg, lay, p, kv_token, stream, gen["gen_weights"])
-        if not lay.vllm_sleep:
-            resident.update({k: v for k, v in gen.items() if k != "gen_activations"})
-            gen = {k: v for k, v in gen.items() if k == "gen_activations"}
-            refit = {"refit_stream": stream}
-        # level-2 sleep discards the weights (nothing on the host) wherever a refit follows; while the BF16
-        # evaluation engine validates, the arm's engine sleeps at level 1 (its weights serve the next rollout)
-        elif lay.bf16_engine:
-            host["gen_weights"] = gen["gen_weights"]
-    else:
-        resident["gen_weights"] = gen_weights
-        if lay.bf16_engine:
-            resident["bf16_engine"] = 2 * p.total
-        gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
-        gen = {"kv_cache": gen_rows * lay.tokens * kv_token}
-        # validation: the native engines decode one batch at once (a paged engine pages it like a rollout)
-        val_rows = 0 if lay.paged_kv else max(sum(val_batches(lay), []), default=0)
-        validation = {"val_kv_cache": val_rows * lay.tokens * kv_token}
-    b_lp = lay.logprob_batch_size or rows
-    b_mb = lay.micro_batch_size or rows
-    phases = {"generation": gen,
-              "logprobs": {"logits": min(b_lp, rows) * lay.tokens * cfg.vocab_size * 14, **fsdp},
-              "training": _training(cfg, lay, p, min(b_mb, rows), fsdp)}
-    if lay.vllm:
-        phases["refit"] = refit
-    if lay.val_prompts and (lay.bf16_engine if lay.vllm else not lay.paged_kv):
-        phases["validation"] = validation
-    if lay.device == "cuda":  # beside tensors, in every phase (module docstring)
-        resident["cuda_context"] = CUDA_CONTEXT_BYTES
-        if W > 1:
-            resident["nccl"] = NCCL_BYTES
-    phase = max(phases, key=lambda k: sum(phases[k].values()))
-    # what PyTorch's cache keeps reserved: the trainer's phases, the native evaluator's (vLLM maps its own)
+    b_lp, b_mb = min(lay.logprob_batch_size or rows, rows), min(lay.micro_batch_size or rows, rows)
+    return {"generation": engine.phases["generation"],
+            "logprobs": {"logits": b_lp * lay.tokens * cfg.vocab_size * 14, **fsdp},
+            "training": _training(cfg, lay, p, b_mb, fsdp),
+            **{k: v for k, v in engine.phases.items() if k in ("refit", "validation")}}
+
+
+def _runtime_bytes(lay: Layout) -> dict[str, int]:
+    """CUDA only, in every phase: cuda_context CUDA_CONTEXT_BYTES, and nccl NCCL_BYTES at W > 1."""
+    if lay.device != "cuda":
+        return {}
+    return {"cuda_context": CUDA_CONTEXT_BYTES, **({"nccl": NCCL_BYTES} if lay.world_size > 1 else {})}
+
+
+def _cached_trainer_bytes(phases: dict[str, dict[str, int]]) -> int:
+    """What PyTorch's cache keeps reserved: the largest of the trainer's phases and the native evaluator's
+    validation (less the weights it refits; vLLM maps its own memory outside that cache)."""
     cached = [phases[k] for k in ("logprobs", "training")]
     if "validation" in phases:
         cached.append({k: v for k, v in phases["validation"].items() if k != "gen_weights"})
-    trainer = max(sum(c.values()) for c in cached)
-    if lay.cpu_offload and W > 1 and lay.trainer_sharded:  # FSDP2's CPUOffloadPolicy (one process: unsharded)
-        moved = ("params", "optimizer", "reference", "grads")
-        host.update({k: v for k, v in {**resident, **phases["training"]}.items() if k in moved and v})
-        resident = {k: (0 if k in moved else v) for k, v in resident.items()}
-        phases[phase] = {k: (0 if k in moved else v) for k, v in phases[phase].items()}
+    return max(sum(c.values()) for c in cached)
+
+
+_OFFLOADED = ("params", "optimizer", "reference", "grads")
+
+
+def _offload(resident: dict[str, int], phases: dict[str, dict[str, int]], phase: str, host: dict[str, int]
+             ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """FSDP2's CPUOffloadPolicy: params, optimizer, reference and grads move to the host (their bytes there,
+    zero on the device). Returns (resident, the peak phase's parts, host), each a new dict."""
+    moved = {k: v for k, v in {**resident, **phases["training"]}.items() if k in _OFFLOADED and v}
+    return _without_offloaded(resident), _without_offloaded(phases[phase]), {**host, **moved}
+
+
+def _without_offloaded(parts: dict[str, int]) -> dict[str, int]:
+    """`parts` with the offloaded ones at 0 bytes (the keys and their order kept)."""
+    return {k: (0 if k in _OFFLOADED else v) for k, v in parts.items()}
+
+
+def plan_memory(model_config: ModelConfig | dict[str, Any] | str | os.PathLike[str], layout: Layout
+                ) -> MemoryPlan:
+    """Per-rank peak memory of a GRPO step for `model_config` (see load_model_config) run as `layout`:
+    resident + the largest phase (module docstring), and without_empty_cache, the peak if vLLM woke on top
+    of PyTorch's cached trainer peak: resident + cached trainer + vLLM's generation (sleep mode only)."""
+    cfg = load_model_config(model_config)
+    p, lay = count_parameters(cfg), layout
+    gen_weights = _generation_weight_bytes(p, lay)
+    engine = (_vllm_engine if lay.vllm else _native_engine)(cfg, lay, p, gen_weights)
+    resident = {**_trainer_state(p, lay), **engine.resident, **_runtime_bytes(lay)}
+    phases, host = _step_phases(cfg, lay, p, engine, _fsdp_buffers(cfg, p, lay)), dict(engine.host)
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+    trainer = _cached_trainer_bytes(phases)
+    if lay.cpu_offload and lay.world_size > 1 and lay.trainer_sharded:  # one process: unsharded, not offloaded
+        resident, phases[phase], host = _offload(resident, phases, phase, host)
     device = {k: v for k, v in {**resident, **phases[phase]}.items() if v}
     stacked = sum(device.values())
     if lay.vllm and lay.vllm_sleep:
-        stacked = sum(resident.values()) + trainer + sum(gen.values())
+        stacked = sum(resident.values()) + trainer + sum(engine.phases["generation"].values())
     return MemoryPlan(layout=lay, model=cfg, params=p, device=device, host=host, phase=phase,
                       without_empty_cache=max(stacked, sum(device.values())),
                       phases={k: {n: b for n, b in v.items() if b} for k, v in phases.items()},
@@ -484,7 +564,8 @@ def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
             + " GiB). Knobs: " + "; ".join(knobs) + "; " + tail)
 
 
-def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int | None = None, device: str | None = None) -> Layout:
+def layout_for_run(cfg: RunConfig, world_size: int, prompt_tokens: int | None = None, device: str | None = None
+                   ) -> Layout:
     """The Layout of a RunConfig (fp8rl_core/config/run_config.py) at `world_size` ranks. prompt_tokens: the
     longest prompt; None: allowed_prompt_tokens(cfg)."""
     if prompt_tokens is None:
@@ -515,7 +596,7 @@ def layout_for_run(cfg: Any, world_size: int, prompt_tokens: int | None = None, 
                   val_samples=cfg.train.val_samples, val_batch=val_batch_rows(cfg))
 
 
-def allowed_prompt_tokens(cfg: Any) -> int:
+def allowed_prompt_tokens(cfg: RunConfig) -> int:
     """The longest prompt a run can hold without reading its data: with engines.vllm.max_model_len set, the
     run refuses longer ones at start, so the bound is max_model_len - max_new_tokens (the 8B sweep: 4608 -
     4096 = 512); else DEFAULT_PROMPT_TOKENS, the arithmetic task's bound."""
@@ -523,7 +604,7 @@ def allowed_prompt_tokens(cfg: Any) -> int:
     return limit - cfg.rollout.max_new_tokens if limit else DEFAULT_PROMPT_TOKENS
 
 
-def plan_for_run(cfg: Any, world_size: int = 1, prompt_tokens: int | None = None, device: str | None = None
+def plan_for_run(cfg: RunConfig, world_size: int = 1, prompt_tokens: int | None = None, device: str | None = None
                  ) -> MemoryPlan:
     """The memory plan of a RunConfig: the model from `model.path`'s config.json, else its preset.
     For `sweep plan`: `check(plan_for_run(cell_cfg, nodes * tasks_per_node), gpu_mem_bytes)`."""

@@ -19,14 +19,17 @@
  *      AMX B tile and one AVX-512 vector are the 16 columns' pair j (64 bytes)
  *   scales: the operands' own FP32 block scales, read in place: A's scale of row m, K-block kb at
  *   sa[(m / ba) * sa_r + kb * sa_k] (ba: the operand's row block, 1 or 128), B's likewise
- * Paths (argument `path`): 0 portable C, 1 AVX512_BF16, 2 AMX. The caller picks by the CPU's flags;
- * fp8rl_gemm_paths() says which were compiled (-march=native decides).
+ * Paths (argument `path`): FP8RL_GEMM_PATH_C (portable), _AVX512_BF16, _AMX. The caller picks by the CPU's
+ * flags; fp8rl_gemm_paths() says which were compiled (-march=native decides). Interface (path, return
+ * codes, signatures): fp8rl_kernels.h.
  * Output: FP32 or BF16 [M, N] with row stride ldc; bias (FP32 [N] or NULL) is added in FP32 before the
  * one cast to BF16 (round to nearest even), as the reference linear does.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fp8rl_kernels.h"
 #if defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
 #endif
@@ -35,9 +38,9 @@
 #include <unistd.h>
 #endif
 
-#define BK 128 /* K-block */
-#define MR 32  /* rows per micro-block (two AMX A tiles) */
-#define NR 32  /* columns per micro-block (two AMX B tiles / two vectors) */
+#define BK FP8RL_GEMM_BK /* K-block */
+#define MR FP8RL_GEMM_MR /* rows per micro-block (two AMX A tiles) */
+#define NR FP8RL_GEMM_NR /* columns per micro-block (two AMX B tiles / two vectors) */
 /* Element (m, k) of a packed A (see the header). */
 #define AIDX(m, k, Kp) ((((m) >> 4) * ((Kp) >> 5) + ((k) >> 5)) * 512 + ((m) & 15) * 32 + ((k) & 31))
 
@@ -68,16 +71,24 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even; finite input
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-int fp8rl_gemm_paths(void) {
-    int p = 1; /* portable C */
+/* The paths this build has (FP8RL_GEMM_HAS_* bits), fixed by the target flags. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    p |= 2;
+#define HAS_AVX512_BF16 FP8RL_GEMM_HAS_AVX512_BF16
+#else
+#define HAS_AVX512_BF16 0
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-    p |= 4;
+#define HAS_AMX FP8RL_GEMM_HAS_AMX
+#else
+#define HAS_AMX 0
 #endif
-    return p;
-}
+#define COMPILED_PATHS (FP8RL_GEMM_HAS_C | HAS_AVX512_BF16 | HAS_AMX)
+/* The warning builds (tests/fp8rl_core/fp8/test_kernel_builds.py) state the paths their flags must select. */
+#if defined(FP8RL_EXPECT_PATHS) && FP8RL_EXPECT_PATHS != COMPILED_PATHS
+#error "the target flags did not compile the expected GEMM paths"
+#endif
+
+int fp8rl_gemm_paths(void) { return COMPILED_PATHS; }
 
 /* Linux grants AMX tile data per process on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA = 18).
  * Returns 0 when granted (or already), -1 otherwise (the caller then uses another path). */
@@ -387,12 +398,12 @@ static void store(const float *acc, int64_t m0, int64_t n0, int64_t M, int64_t N
 static inline void block(int path, const uint16_t *a, int64_t Kp, const uint16_t *b0, const uint16_t *b1, int64_t kb,
                          float *p) {
     const int64_t j0 = kb * (BK / 2);
-    if (path == 0) block_c(a, Kp, b0, b1, j0, p);
+    if (path == FP8RL_GEMM_PATH_C) block_c(a, Kp, b0, b1, j0, p);
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    else if (path == 1) block_avx512(a, Kp, b0, b1, j0, p);
+    else if (path == FP8RL_GEMM_PATH_AVX512_BF16) block_avx512(a, Kp, b0, b1, j0, p);
 #endif
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-    else if (path == 2) block_amx(a, Kp, b0, b1, j0, p);
+    else if (path == FP8RL_GEMM_PATH_AMX) block_amx(a, Kp, b0, b1, j0, p);
 #endif
 }
 
@@ -404,19 +415,20 @@ static inline void block(int path, const uint16_t *a, int64_t Kp, const uint16_t
  * unit scales. A full micro-block's last K-block writes the output directly; one at the matrix's edge
  * goes through store. */
 #define MC 256
-typedef struct { const float *s; int64_t r, k, block; } scales;
 
-int fp8rl_gemm(const uint16_t *a, const uint16_t *b, scales sa_, scales sb_, int64_t M, int64_t N,
+int fp8rl_gemm(const uint16_t *a, const uint16_t *b, fp8rl_scales sa_, fp8rl_scales sb_, int64_t M, int64_t N,
                int64_t Mp, int64_t Np, int64_t Kp, const float *bias, void *c, int64_t ldc, int out_bf16, int path,
                int nthreads) {
     const int64_t kb_n = Kp / BK, n_nb = Np / NR, n_mc = (Mp + MC - 1) / MC;
-    if ((path == 1 && !(fp8rl_gemm_paths() & 2)) || (path == 2 && !(fp8rl_gemm_paths() & 4))) return 1;
-    if (sa_.block & (sa_.block - 1) || sb_.block & (sb_.block - 1)) return 2; /* row blocks are 1 or 128 */
+    if ((path == FP8RL_GEMM_PATH_AVX512_BF16 && !HAS_AVX512_BF16) || (path == FP8RL_GEMM_PATH_AMX && !HAS_AMX))
+        return FP8RL_GEMM_NOT_COMPILED;
+    if (sa_.block & (sa_.block - 1) || sb_.block & (sb_.block - 1)) /* row blocks are 1 or 128 */
+        return FP8RL_GEMM_BAD_BLOCK;
     const int sa_sh = __builtin_ctzll((unsigned long long)sa_.block), sb_sh = __builtin_ctzll((unsigned long long)sb_.block);
 #pragma omp parallel num_threads(nthreads)
     {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-        if (path == 2) amx_config();
+        if (path == FP8RL_GEMM_PATH_AMX) amx_config();
 #endif
         static __thread float acc[MC / MR][MR * NR] __attribute__((aligned(64)));
         float p[2][MR * NR] __attribute__((aligned(64)));
@@ -447,20 +459,20 @@ int fp8rl_gemm(const uint16_t *a, const uint16_t *b, scales sa_, scales sb_, int
             }
         }
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-        if (path == 2) _tile_release();
+        if (path == FP8RL_GEMM_PATH_AMX) _tile_release();
 #endif
     }
-    return 0;
+    return FP8RL_OK;
 }
 
 /* fp8rl_gemm with A given as E4M3 codes (any strides, as fp8rl_pack_a takes them): packed into a scratch
  * buffer here, so that an activation costs one call from Python instead of two and one tensor less.
- * Returns fp8rl_gemm's codes, or 3 when the scratch cannot be allocated. */
-int fp8rl_gemm_codes(const uint8_t *codes, int64_t sm, int64_t sk, const uint16_t *b, scales sa_, scales sb_,
-                     int64_t M, int64_t N, int64_t K, int64_t Mp, int64_t Np, int64_t Kp, const float *bias, void *c,
-                     int64_t ldc, int out_bf16, int path, int nthreads) {
+ * Returns fp8rl_gemm's codes, or FP8RL_GEMM_NO_MEMORY when the scratch cannot be allocated. */
+int fp8rl_gemm_codes(const uint8_t *codes, int64_t sm, int64_t sk, const uint16_t *b, fp8rl_scales sa_,
+                     fp8rl_scales sb_, int64_t M, int64_t N, int64_t K, int64_t Mp, int64_t Np, int64_t Kp,
+                     const float *bias, void *c, int64_t ldc, int out_bf16, int path, int nthreads) {
     uint16_t *a = aligned_alloc(64, (size_t)(Mp * Kp * 2));
-    if (!a) return 3;
+    if (!a) return FP8RL_GEMM_NO_MEMORY;
     fp8rl_pack_a(codes, sm, sk, M, K, Mp, Kp, a, nthreads);
     const int rc = fp8rl_gemm(a, b, sa_, sb_, M, N, Mp, Np, Kp, bias, c, ldc, out_bf16, path, nthreads);
     free(a);

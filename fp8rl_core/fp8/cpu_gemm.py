@@ -16,9 +16,9 @@ Paths, picked by this CPU's flags (cpu_features.py; FP8RL_CPU_FLAGS_OFF hides fl
 `path()` says which one this CPU runs (None: neither instruction). `select_executor` picks the executor
 by itself only where the path is "amx" (`preferred()`): on Intel, VDPBF16PS multiplies 32 BF16 pairs per
 cycle on one port, the MAC rate of two FP32 FMAs, so without AMX the path ran at 0.6x the FP32 emulation
-here (Sapphire Rapids with AMX hidden: Fp8Linear forward+backward at M = 2048, K = N = 1024, 195 vs
-118 ms). CPUs whose dot products outrun their FP32 FMAs (AMD Zen 4/5, unmeasured) opt in with
-FP8RL_GEMM=cpu_bf16dot after benchmarks/fp8_numerics.py says so. Weights are packed once per
+here (Sapphire Rapids with AMX hidden; timings in docs/design.md section 9). CPUs whose dot products
+outrun their FP32 FMAs (AMD Zen 4/5, unmeasured) opt in with FP8RL_GEMM=cpu_bf16dot after
+benchmarks/fp8_numerics.py says so. Weights are packed once per
 quantization (`PackedB`, kept in the weight operand's `cache`: Fp8Weight.kernel_cache).
 """
 from __future__ import annotations
@@ -37,9 +37,18 @@ from fp8rl_core.fp8 import cbuild, cpu_features
 from fp8rl_core.fp8.operand import Operand
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-PATHS = {"c": 0, "avx512_bf16": 1, "amx": 2}
-_COMPILED_BIT = {"c": 1, "avx512_bf16": 2, "amx": 4}
-BK, MR, NR = 128, 32, 32
+_H = cbuild.constants()  # fp8rl_kernels.h: the path codes, compiled-path bits, blocking and return codes
+PATHS = {"c": _H["FP8RL_GEMM_PATH_C"], "avx512_bf16": _H["FP8RL_GEMM_PATH_AVX512_BF16"],
+         "amx": _H["FP8RL_GEMM_PATH_AMX"]}
+_COMPILED_BIT = {"c": _H["FP8RL_GEMM_HAS_C"], "avx512_bf16": _H["FP8RL_GEMM_HAS_AVX512_BF16"],
+                 "amx": _H["FP8RL_GEMM_HAS_AMX"]}
+BK, MR, NR = _H["FP8RL_GEMM_BK"], _H["FP8RL_GEMM_MR"], _H["FP8RL_GEMM_NR"]
+# each variant the source selects, as a target (on -march=x86-64) with the paths it compiles (fp8rl_gemm_paths):
+# the -Werror builds compile every one on any x86 CPU ("avx512bw": the vector packers without a dot product)
+_AVX512 = ("-mavx512f", "-mavx512bw")
+TARGETS = {"c": ((), ("c",)), "avx512bw": (_AVX512, ("c",)),
+           "avx512_bf16": ((*_AVX512, "-mavx512bf16"), ("c", "avx512_bf16")),
+           "amx": ((*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16"), ("c", "avx512_bf16", "amx"))}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
@@ -113,7 +122,7 @@ def _codes(op: Operand) -> torch.Tensor:
 
 class _Scales(ctypes.Structure):
     """An operand's block scales read in place by the kernel: row r, K-block kb at s[(r // block) * r_stride +
-    kb * k_stride] (cpu_gemm.c `scales`)."""
+    kb * k_stride] (fp8rl_kernels.h `fp8rl_scales`)."""
 
     _fields_ = [("s", _ptr), ("r", _i64), ("k", _i64), ("block", _i64)]
 
@@ -220,10 +229,10 @@ def mm(a: Operand | PackedA, b: Operand | PackedB, out_dtype: torch.dtype = torc
         bad = lib.fp8rl_gemm_codes(codes.data_ptr(), *codes.stride(), pb.data.data_ptr(), sa, sb, rows, pb.rows,
                                    k, mp, np_, kp, *tail)
     del sa_t, sb_t  # the scale tensors the descriptors point into lived until here
-    if bad == 2:
+    if bad == _H["FP8RL_GEMM_BAD_BLOCK"]:
         raise ValueError(f"cpu_bf16dot: row blocks {a_block}, {pb.block_rows}: powers of two only")
-    if bad == 3:
+    if bad == _H["FP8RL_GEMM_NO_MEMORY"]:
         raise MemoryError(f"cpu_bf16dot: no memory for A's packed copy ({mp} x {kp} BF16)")
-    if bad:
+    if bad != _H["FP8RL_OK"]:  # FP8RL_GEMM_NOT_COMPILED
         raise RuntimeError(f"cpu_bf16dot: path {name!r} is not compiled into {SOURCE.name}")
     return c if direct else c.to(out_dtype)

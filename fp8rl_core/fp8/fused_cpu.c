@@ -7,7 +7,7 @@
  *   q     = v rounded to E4M3, ties to even             (see e4m3_round)
  *   deq   = decode(q) * scale                           (FP32; decode(q) is the rounded v itself)
  * Built with -ffp-contract=off and without -ffast-math, so that the compiler keeps every IEEE
- * operation as written. Blocks whose amax is NaN/inf are not handled here: the functions return 1
+ * operation as written. Blocks whose amax is NaN/inf are not handled here: the functions return FP8RL_DECLINED
  * and the caller runs the reference (which raises or propagates NaN exactly as torch does).
  * Layout: x, q, deq row-major [M, N]; scale row-major [ceil(M/br), ceil(N/bc)].
  *
@@ -16,33 +16,34 @@
  * giving the reference's bits (the tests build all three: -mno-avx512f, -mno-avx2). Memory: a block-row
  * is done in panels of ~64 KiB of x (amax pass, then quantization pass, in the cache), the next
  * panel's x (and outputs) prefetched during this one's arithmetic; codes of >= 8 MiB are streamed
- * (non-temporal stores) on the AVX-512 path.
- * Measured (Xeon with AVX-512 and AMX, 2 vCPUs under KVM, shared; 1 thread, FP32 x of 4096^2):
- *   in L2, per element: AVX-512 quantize 0.24 ns, of which vdivps alone takes 0.17 ns (16 lanes cost
- *   what two 8-lane divisions cost: the divider bounds it, not the width; 0.16 ns with no division);
- *   power-of-two scales 0.18 ns (an exact multiply); AVX2 0.38 ns; dequantize to FP32 0.10 ns (AVX2 0.21).
- *   from DRAM: quantize 6.5-7.5 ms (the AVX2 code before: 11-12 ms) vs 9.5-10 ms for a copy, bound by
- *   one core's DRAM bandwidth (no division at all: 2% less); dequantize into a fresh tensor 11-12 ms,
- *   where merely writing a fresh 64 MiB tensor (page faults, the OS zeroing its pages) takes 10-10.7.
- *   copy / (quantize + dequantize) through the public functions: 0.51-0.54 (AVX2 code before: 0.35-0.37).
+ * (non-temporal stores) on the AVX-512 path. In cache the FP32 division (vdivps, which the bit-identity
+ * requires) sets the pace, so power-of-two scales multiply by the exact inverse instead; from memory one
+ * core's DRAM bandwidth and the fresh output's page faults do (timings: docs/design.md section 9).
+ * Interface (dtype codes, return codes, signatures): fp8rl_kernels.h.
  */
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "fp8rl_kernels.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 /* The vector path, fixed at compile time by the target (-march=native: this CPU's flags). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SIMD 512
+#define SIMD FP8RL_SIMD_AVX512
 #elif defined(__AVX2__)
-#define SIMD 256
+#define SIMD FP8RL_SIMD_AVX2
 #else
-#define SIMD 0
+#define SIMD FP8RL_SIMD_SCALAR
+#endif
+/* The warning builds (tests/fp8rl_core/fp8/test_kernel_builds.py) state the path their flags must select. */
+#if defined(FP8RL_EXPECT_SIMD) && FP8RL_EXPECT_SIMD != SIMD
+#error "the target flags did not select the expected vector path"
 #endif
 
-/* 512 (AVX-512 F/BW/VL, 16 lanes), 256 (AVX2, 8 lanes) or 0 (portable C): what this build runs. */
+/* FP8RL_SIMD_AVX512, _AVX2 or _SCALAR: what this build runs. */
 int fp8rl_simd_path(void) { return SIMD; }
 
 #define E4M3_MAX 448.0f
@@ -54,12 +55,12 @@ static inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 /* |x| as FP32 bits; x is FP32 (dtype 0) or BF16 (dtype 1). For non-negative floats the order of
  * the bit patterns is the order of the values, and NaN/inf patterns exceed every finite one. */
 static inline uint32_t abs_bits(const void *x, int dtype, int64_t i) {
-    if (dtype == 0) return ((const uint32_t *)x)[i] & 0x7FFFFFFFu;
+    if (dtype == FP8RL_DTYPE_F32) return ((const uint32_t *)x)[i] & 0x7FFFFFFFu;
     return ((uint32_t)(((const uint16_t *)x)[i] & 0x7FFFu)) << 16;
 }
 
 static inline float load(const void *x, int dtype, int64_t i) {
-    if (dtype == 0) return ((const float *)x)[i];
+    if (dtype == FP8RL_DTYPE_F32) return ((const float *)x)[i];
     return u2f(((uint32_t)((const uint16_t *)x)[i]) << 16);
 }
 
@@ -91,12 +92,12 @@ INLINE uint32_t e4m3_round(float v, float *r) {
     return code | (sign >> 24);
 }
 
-#if SIMD == 256
+#if SIMD == FP8RL_SIMD_AVX2
 /* The same quantization, 8 lanes at a time with AVX2 (gcc's own vectorization of the scalar loop
- * below runs at ~18 cycles per 8 elements here: byte stores, spills; this one at ~6). Every step is
+ * below stores bytes one lane at a time and spills registers: ~3x slower). Every step is
  * the scalar one's: the same FP32 division, clamp and integer rounding, so the bits are the same. */
 INLINE __m256 load8(const void *x, const int dtype, int64_t i) {
-    if (dtype == 0) return _mm256_loadu_ps((const float *)x + i);
+    if (dtype == FP8RL_DTYPE_F32) return _mm256_loadu_ps((const float *)x + i);
     __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
@@ -147,7 +148,7 @@ INLINE int64_t quant_span_avx2(const void *x, const int dtype, int64_t base, int
 }
 #endif
 
-#if SIMD == 512
+#if SIMD == FP8RL_SIMD_AVX512
 /* The same quantization, 16 lanes at a time with AVX-512 (F, BW, VL); row tails run masked, so no
  * scalar loop is left. The division is the same vdivps; the E4M3 rounding is one FP32 addition:
  * M = 2**(e+20) + 8*(e+6) (e = max(exponent of |v|, -6)) has the last place 2**(e-3), E4M3's step
@@ -159,7 +160,7 @@ INLINE int64_t quant_span_avx2(const void *x, const int dtype, int64_t base, int
 INLINE __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
 
 INLINE __m512 load16(const void *x, const int dtype, int64_t i, const __mmask16 k) {
-    if (dtype == 0) return _mm512_maskz_loadu_ps(k, (const float *)x + i);
+    if (dtype == FP8RL_DTYPE_F32) return _mm512_maskz_loadu_ps(k, (const float *)x + i);
     const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)x + i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
 }
@@ -222,10 +223,10 @@ INLINE void quant_span_avx512(const void *x, const int dtype, int64_t base, int6
 /* Quantize x[base + c], c in [c0, c1), with scale s[0] (per_col 0) or s[c] (per_col 1). Called with
  * literal dtype/per_col/with_deq, so that each call site compiles to one branch-free loop. The codes
  * go through a 32-bit buffer: a loop that stores bytes directly is vectorized 32 elements wide and
- * spills registers (measured 2x slower). */
+ * spills registers (about 2x slower). */
 INLINE void quant_span(const void *x, const int dtype, int64_t base, int64_t c0, int64_t c1,
                        const float *s, const int per_col, uint8_t *q, float *deq, const int with_deq, const int nt) {
-#if SIMD == 512
+#if SIMD == FP8RL_SIMD_AVX512
     if (!per_col && (f2u(s[0]) & 0x007FFFFFu) == 0) /* a power of two (scales are normal: >= 2**-126) */
         quant_span_avx512(x, dtype, base, c0, c1, s, 0, 1, q, deq, with_deq, nt);
     else
@@ -234,7 +235,7 @@ INLINE void quant_span(const void *x, const int dtype, int64_t base, int64_t c0,
 #endif
     (void)nt;
     uint32_t codes[CHUNK];
-#if SIMD == 256
+#if SIMD == FP8RL_SIMD_AVX2
     c0 = quant_span_avx2(x, dtype, base, c0, c1, s, per_col, q, deq, with_deq);
 #endif
     for (int64_t k0 = c0; k0 < c1; k0 += CHUNK) {
@@ -258,7 +259,7 @@ INLINE void quant_span(const void *x, const int dtype, int64_t base, int64_t c0,
  * overlap this panel's arithmetic. */
 static void quant_row(const void *x, int dtype, int64_t base, int64_t p0, int64_t p1, int64_t bc,
                       const float *srow, uint8_t *q, float *deq, int64_t ahead, int64_t total, int nt) {
-    const int64_t step = bc == 1 ? 256 : bc, es = dtype == 0 ? 4 : 2;
+    const int64_t step = bc == 1 ? 256 : bc, es = dtype == FP8RL_DTYPE_F32 ? 4 : 2;
     for (int64_t c0 = p0; c0 < p1; c0 += step) {
         const int64_t c1 = c0 + step < p1 ? c0 + step : p1;
         const float *s = bc == 1 ? srow : srow + c0 / bc;
@@ -271,16 +272,16 @@ static void quant_row(const void *x, int dtype, int64_t base, int64_t p0, int64_
             if (deq)
                 for (int64_t b = i0 * 4; b < i1 * 4; b += 64) __builtin_prefetch((char *)deq + b, 1, 3);
         }
-        if (dtype == 0 && deq) { if (pc) quant_span(x, 0, base, c0, c1, s, 1, q, deq, 1, nt); else quant_span(x, 0, base, c0, c1, s, 0, q, deq, 1, nt); }
-        else if (dtype == 0) { if (pc) quant_span(x, 0, base, c0, c1, s, 1, q, deq, 0, nt); else quant_span(x, 0, base, c0, c1, s, 0, q, deq, 0, nt); }
-        else if (deq) { if (pc) quant_span(x, 1, base, c0, c1, s, 1, q, deq, 1, nt); else quant_span(x, 1, base, c0, c1, s, 0, q, deq, 1, nt); }
-        else { if (pc) quant_span(x, 1, base, c0, c1, s, 1, q, deq, 0, nt); else quant_span(x, 1, base, c0, c1, s, 0, q, deq, 0, nt); }
+        if (dtype == FP8RL_DTYPE_F32 && deq) { if (pc) quant_span(x, FP8RL_DTYPE_F32, base, c0, c1, s, 1, q, deq, 1, nt); else quant_span(x, FP8RL_DTYPE_F32, base, c0, c1, s, 0, q, deq, 1, nt); }
+        else if (dtype == FP8RL_DTYPE_F32) { if (pc) quant_span(x, FP8RL_DTYPE_F32, base, c0, c1, s, 1, q, deq, 0, nt); else quant_span(x, FP8RL_DTYPE_F32, base, c0, c1, s, 0, q, deq, 0, nt); }
+        else if (deq) { if (pc) quant_span(x, FP8RL_DTYPE_BF16, base, c0, c1, s, 1, q, deq, 1, nt); else quant_span(x, FP8RL_DTYPE_BF16, base, c0, c1, s, 0, q, deq, 1, nt); }
+        else { if (pc) quant_span(x, FP8RL_DTYPE_BF16, base, c0, c1, s, 1, q, deq, 0, nt); else quant_span(x, FP8RL_DTYPE_BF16, base, c0, c1, s, 0, q, deq, 0, nt); }
     }
 }
 
 /* Ask for transparent huge pages on a fresh output buffer (Linux, THP in "madvise" mode): first
- * touching 4 KiB pages costs more than the whole kernel on a 4096^2 tensor (measured: 33 MB into
- * fresh memory 33 ms, into a reused buffer 4 ms); 2 MiB pages take 512x fewer faults. A hint only:
+ * touching 4 KiB pages costs more than the whole kernel on a 4096^2 tensor (docs/design.md section 9);
+ * 2 MiB pages take 512x fewer faults. A hint only:
  * the aligned interior of the buffer, ignored where unsupported. */
 static void hint_huge_pages(void *p, int64_t bytes) {
 #ifdef MADV_HUGEPAGE
@@ -292,14 +293,14 @@ static void hint_huge_pages(void *p, int64_t bytes) {
 #endif
 }
 
-#if SIMD == 512
+#if SIMD == FP8RL_SIMD_AVX512
 /* max(m, |x[c]| bits for c in [c0, c1)), in FP32 bit form: FP32 16 lanes, BF16 32 lanes (the 16-bit
  * patterns), the tail masked (zeros do not change a max). */
 INLINE uint32_t amax_span(const void *x, const int dtype, int64_t c0, int64_t c1, uint32_t m) {
     __m512i acc = _mm512_setzero_si512();
     int64_t c = c0;
     uint32_t v;
-    if (dtype == 0) {
+    if (dtype == FP8RL_DTYPE_F32) {
         const uint32_t *p = (const uint32_t *)x;
         const __m512i mask = I32(0x7FFFFFFFu);
         for (; c + 16 <= c1; c += 16) acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512(p + c), mask));
@@ -323,7 +324,7 @@ INLINE void amax_cols(const void *x, const int dtype, int64_t n, uint32_t *amax)
     for (int64_t c = 0; c < n; c += 16) {
         const __mmask16 k = tail16(n - c);
         __m512i a;
-        if (dtype == 0) a = _mm512_and_si512(_mm512_maskz_loadu_epi32(k, (const uint32_t *)x + c), I32(0x7FFFFFFFu));
+        if (dtype == FP8RL_DTYPE_F32) a = _mm512_and_si512(_mm512_maskz_loadu_epi32(k, (const uint32_t *)x + c), I32(0x7FFFFFFFu));
         else a = _mm512_srli_epi32(_mm512_slli_epi32(_mm512_cvtepu16_epi32( /* << 17 >> 1: |BF16| as FP32 bits */
                  _mm256_maskz_loadu_epi16(k, (const uint16_t *)x + c)), 17), 1);
         _mm512_mask_storeu_epi32(amax + c, k, _mm512_max_epu32(_mm512_maskz_loadu_epi32(k, amax + c), a));
@@ -334,7 +335,7 @@ INLINE void amax_cols(const void *x, const int dtype, int64_t n, uint32_t *amax)
  * the 16-bit patterns directly (16 lanes, two instructions per vector). */
 static inline uint32_t amax_span_bf16(const uint16_t *x, int64_t c0, int64_t c1, uint32_t m) {
     int64_t c = c0;
-#if SIMD == 256
+#if SIMD == FP8RL_SIMD_AVX2
     if (c1 - c0 >= 16) {
         __m256i acc = _mm256_setzero_si256();
         const __m256i mask = _mm256_set1_epi16(0x7FFF);
@@ -356,7 +357,7 @@ static inline uint32_t amax_span_bf16(const uint16_t *x, int64_t c0, int64_t c1,
 }
 
 static inline uint32_t amax_span(const void *x, int dtype, int64_t c0, int64_t c1, uint32_t m) {
-    if (dtype == 1) return amax_span_bf16((const uint16_t *)x, c0, c1, m);
+    if (dtype == FP8RL_DTYPE_BF16) return amax_span_bf16((const uint16_t *)x, c0, c1, m);
     for (int64_t c = c0; c < c1; c++) {
         uint32_t a = ((const uint32_t *)x)[c] & 0x7FFFFFFFu;
         m = a > m ? a : m;
@@ -375,28 +376,28 @@ static inline void amax_cols(const void *x, int dtype, int64_t n, uint32_t *amax
 /* amax bits of the blocks of rows [r0, r1), columns [p0, p1) (block-aligned) into amax[p0/bc ..). */
 static void group_amax(const void *x, int dtype, int64_t r0, int64_t r1, int64_t n, int64_t p0, int64_t p1,
                        int64_t bc, uint32_t *amax) {
-    const int64_t es = dtype == 0 ? 4 : 2, j0 = p0 / bc, j1 = (p1 + bc - 1) / bc;
+    const int64_t es = dtype == FP8RL_DTYPE_F32 ? 4 : 2, j0 = p0 / bc, j1 = (p1 + bc - 1) / bc;
     for (int64_t j = j0; j < j1; j++) amax[j] = 0;
     for (int64_t r = r0; r < r1; r++) {
         const char *row = (const char *)x + r * n * es;
         if (bc == 1) {
-            if (dtype == 0) amax_cols(row + p0 * 4, 0, p1 - p0, amax + p0);
-            else amax_cols(row + p0 * 2, 1, p1 - p0, amax + p0);
+            if (dtype == FP8RL_DTYPE_F32) amax_cols(row + p0 * 4, FP8RL_DTYPE_F32, p1 - p0, amax + p0);
+            else amax_cols(row + p0 * 2, FP8RL_DTYPE_BF16, p1 - p0, amax + p0);
             continue;
         }
         for (int64_t j = j0; j < j1; j++) {
             int64_t c1 = (j + 1) * bc < p1 ? (j + 1) * bc : p1;
-            amax[j] = dtype == 0 ? amax_span(row, 0, j * bc, c1, amax[j]) : amax_span(row, 1, j * bc, c1, amax[j]);
+            amax[j] = dtype == FP8RL_DTYPE_F32 ? amax_span(row, FP8RL_DTYPE_F32, j * bc, c1, amax[j]) : amax_span(row, FP8RL_DTYPE_BF16, j * bc, c1, amax[j]);
         }
     }
 }
 
-/* Returns 0 on success, 1 if some block is non-finite (outputs then incomplete). deq or q may be NULL
+/* Returns FP8RL_OK, or FP8RL_DECLINED if some block is non-finite (outputs then incomplete). deq or q may be NULL
  * (not both): the emulated GEMM consumes only deq, so activations skip the code bytes.
  * work: nthreads * nb uint32 of scratch. */
 int fp8rl_quantize(const void *x, int dtype, int64_t m, int64_t n, int64_t br, int64_t bc, int pow2,
                    uint8_t *q, float *scale, float *deq, uint32_t *work, int nthreads) {
-    const int64_t mb = (m + br - 1) / br, nb = (n + bc - 1) / bc, es = dtype == 0 ? 4 : 2;
+    const int64_t mb = (m + br - 1) / br, nb = (n + bc - 1) / bc, es = dtype == FP8RL_DTYPE_F32 ? 4 : 2;
     /* Panels of ~64 KiB of x (br rows x w columns, w a multiple of bc), so that a panel's second pass
      * (quantization) reads what its first (amax) left in the cache; one row is one panel when br == 1. */
     int64_t w = br == 1 ? n : PANEL_BYTES / (br * es);
@@ -404,8 +405,8 @@ int fp8rl_quantize(const void *x, int dtype, int64_t m, int64_t n, int64_t br, i
     /* rows of one-row blocks are prefetched ~PREFETCH_BYTES ahead (k rows); panels one panel ahead */
     const int64_t k = br == 1 ? (PREFETCH_BYTES + n * es - 1) / (n * es) : 1;
     /* Codes of a large tensor bypass the caches (non-temporal stores: no read-for-ownership of their
-     * lines; measured 5-20% off a 4096^2 quantization); small ones stay cached for their consumer. */
-    const int nt = SIMD == 512 && q != NULL && m * n >= NT_MIN_BYTES; /* (the 512 path streams) */
+     * lines); small ones stay cached for their consumer. */
+    const int nt = SIMD == FP8RL_SIMD_AVX512 && q != NULL && m * n >= NT_MIN_BYTES; /* (the 512 path streams) */
     int bad = 0;
     if (q) hint_huge_pages(q, m * n);
     if (deq) hint_huge_pages(deq, m * n * 4);
@@ -423,7 +424,7 @@ int fp8rl_quantize(const void *x, int dtype, int64_t m, int64_t n, int64_t br, i
             const int64_t p1 = p0 + w < n ? p0 + w : n;
             group_amax(x, dtype, r0, r1, n, p0, p1, bc, amax);
             for (int64_t j = p0 / bc; j < (p1 + bc - 1) / bc; j++) {
-                if (amax[j] >= 0x7F800000u) bad = 1;
+                if (amax[j] >= 0x7F800000u) bad = FP8RL_DECLINED;
                 srow[j] = block_scale(amax[j], pow2);
             }
             if (bad) break;
@@ -432,7 +433,7 @@ int fp8rl_quantize(const void *x, int dtype, int64_t m, int64_t n, int64_t br, i
                 quant_row(x, dtype, r * n, p0, p1, bc, srow, q, deq, ahead, m * n, nt);
             }
         }
-#if SIMD == 512
+#if SIMD == FP8RL_SIMD_AVX512
         if (nt) _mm_sfence(); /* this thread's streamed codes are visible before the parallel loop ends */
 #endif
     }
@@ -453,7 +454,7 @@ INLINE uint16_t to_bf16(float f) {
     return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
 }
 
-#if SIMD == 256
+#if SIMD == FP8RL_SIMD_AVX2
 /* decode(q[i .. i+8)) * scale as FP32 lanes; *nan collects the lanes holding a NaN code (0x7F/0xFF). */
 INLINE __m256 dequant8(const uint8_t *q, int64_t i, __m256 sc, __m256i *nan) {
     const __m256i code = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i)));
@@ -483,7 +484,7 @@ INLINE int64_t dequant_span_avx2(const uint8_t *q, int64_t base, int64_t c0, int
         const __m256 s0 = per_col ? _mm256_loadu_ps(s + c) : _mm256_broadcast_ss(s);
         const __m256 s1 = per_col ? _mm256_loadu_ps(s + c + 8) : s0;
         const __m256 v0 = dequant8(q, base + c, s0, &nan), v1 = dequant8(q, base + c + 8, s1, &nan);
-        if (out_dtype == 0) {
+        if (out_dtype == FP8RL_DTYPE_F32) {
             _mm256_storeu_ps((float *)out + base + c, v0);
             _mm256_storeu_ps((float *)out + base + c + 8, v1);
         } else {
@@ -496,7 +497,7 @@ INLINE int64_t dequant_span_avx2(const uint8_t *q, int64_t base, int64_t c0, int
 }
 #endif
 
-#if SIMD == 512
+#if SIMD == FP8RL_SIMD_AVX512
 /* decode(16 codes) * scale, 16 lanes; *nan |= the lanes holding a NaN code (0x7F/0xFF). Integer decoding,
  * no FP32 subnormal in sight: a normal code's magnitude << 20 plus 120 << 23 is its FP32 value's bits; a
  * subnormal code k (exponent field 0) gives 2**-6 + k * 2**-9 with 121 << 23, then k * 2**-9 exactly by
@@ -531,7 +532,7 @@ INLINE int dequant_span_avx512(const uint8_t *q, int64_t base, int64_t c0, int64
         const __m512 v0 = dequant16(_mm_loadu_si128((const __m128i *)(q + base + c)), per_col ? _mm512_loadu_ps(s + c) : s0, &nan);
         const __m512 v1 = dequant16(_mm_loadu_si128((const __m128i *)(q + base + c + 16)),
                                     per_col ? _mm512_loadu_ps(s + c + 16) : s0, &nan);
-        if (out_dtype == 0) {
+        if (out_dtype == FP8RL_DTYPE_F32) {
             _mm512_storeu_ps((float *)out + base + c, v0);
             _mm512_storeu_ps((float *)out + base + c + 16, v1);
         } else {
@@ -543,7 +544,7 @@ INLINE int dequant_span_avx512(const uint8_t *q, int64_t base, int64_t c0, int64
         const __mmask16 k = tail16(c1 - c);
         const __m512 sc = per_col ? _mm512_mask_loadu_ps(_mm512_set1_ps(1.0f), k, s + c) : s0;
         const __m512 v = dequant16(_mm_maskz_loadu_epi8(k, q + base + c), sc, &nan);
-        if (out_dtype == 0) _mm512_mask_storeu_ps((float *)out + base + c, k, v);
+        if (out_dtype == FP8RL_DTYPE_F32) _mm512_mask_storeu_ps((float *)out + base + c, k, v);
         else _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)out + base + c, k, to_bf16_16(v));
     }
     return nan != 0;
@@ -552,40 +553,40 @@ INLINE int dequant_span_avx512(const uint8_t *q, int64_t base, int64_t c0, int64
 
 INLINE int dequant_span(const uint8_t *q, int64_t base, int64_t c0, int64_t c1, const float *s, const int per_col,
                         void *out, const int out_dtype) {
-#if SIMD == 512
+#if SIMD == FP8RL_SIMD_AVX512
     return dequant_span_avx512(q, base, c0, c1, s, per_col, out, out_dtype);
 #endif
     int bad = 0;
-#if SIMD == 256
+#if SIMD == FP8RL_SIMD_AVX2
     c0 = dequant_span_avx2(q, base, c0, c1, s, per_col, out, out_dtype, &bad);
 #endif
     for (int64_t c = c0; c < c1; c++) {
         uint8_t code = q[base + c];
         bad |= (code & 0x7Fu) == 0x7Fu;
         float v = e4m3_decode(code) * (per_col ? s[c] : s[0]);
-        if (out_dtype == 0) ((float *)out)[base + c] = v;
+        if (out_dtype == FP8RL_DTYPE_F32) ((float *)out)[base + c] = v;
         else ((uint16_t *)out)[base + c] = to_bf16(v);
     }
     return bad;
 }
 
-/* out = decode(q) * scale in FP32, stored as FP32 (out_dtype 0) or BF16 (1). Returns 1 (nothing
+/* out = decode(q) * scale in FP32, stored as FP32 (FP8RL_DTYPE_F32) or BF16. Returns FP8RL_DECLINED (nothing
  * trustworthy written) if q holds a NaN code. */
 int fp8rl_dequantize(const uint8_t *q, const float *scale, int64_t m, int64_t n, int64_t br, int64_t bc,
                      void *out, int out_dtype, int nthreads) {
     int64_t nb = (n + bc - 1) / bc, nj = bc == 1 ? 1 : nb;
     int bad = 0;
-    hint_huge_pages(out, m * n * (out_dtype == 0 ? 4 : 2));
+    hint_huge_pages(out, m * n * (out_dtype == FP8RL_DTYPE_F32 ? 4 : 2));
 #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(| : bad)
     for (int64_t r = 0; r < m; r++) {
         const float *srow = scale + (r / br) * nb;
         for (int64_t j = 0; j < nj; j++) {
             int64_t c0 = bc == 1 ? 0 : j * bc, c1 = bc == 1 ? n : ((j + 1) * bc < n ? (j + 1) * bc : n);
             const float *s = bc == 1 ? srow : srow + j;
-            if (bc == 1 && out_dtype == 0) bad |= dequant_span(q, r * n, c0, c1, s, 1, out, 0);
-            else if (bc == 1) bad |= dequant_span(q, r * n, c0, c1, s, 1, out, 1);
-            else if (out_dtype == 0) bad |= dequant_span(q, r * n, c0, c1, s, 0, out, 0);
-            else bad |= dequant_span(q, r * n, c0, c1, s, 0, out, 1);
+            if (bc == 1 && out_dtype == FP8RL_DTYPE_F32) bad |= dequant_span(q, r * n, c0, c1, s, 1, out, FP8RL_DTYPE_F32);
+            else if (bc == 1) bad |= dequant_span(q, r * n, c0, c1, s, 1, out, FP8RL_DTYPE_BF16);
+            else if (out_dtype == FP8RL_DTYPE_F32) bad |= dequant_span(q, r * n, c0, c1, s, 0, out, FP8RL_DTYPE_F32);
+            else bad |= dequant_span(q, r * n, c0, c1, s, 0, out, FP8RL_DTYPE_BF16);
         }
     }
     return bad;

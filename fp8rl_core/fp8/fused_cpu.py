@@ -12,14 +12,11 @@ are advised onto transparent huge pages (first-touch page faults cost more than 
 4096^2). It builds in ~1-15 s with gcc (no torch headers), against ~35 s of Inductor compile.
 
 Vector paths (`simd_path()`; chosen at compile time by -march=native, i.e. this CPU's flags):
-  "avx512"  AVX-512 F/BW/VL, 16 lanes, masked row tails, streamed codes for large tensors. 4096^2 FP32,
-            1 thread (a shared 2-vCPU Xeon): quantize 6.5-7.5 ms and dequantize (fresh output) 11-12 ms
-            against a 9.5-10 ms copy: copy / (quantize + dequantize) 0.51-0.54, was 0.35-0.37 with the
-            AVX2 code. Quantizing is bound by one core's DRAM bandwidth (in L2 by vdivps: 0.17 of its
-            0.24 ns per element; power-of-two scales multiply instead, exactly), dequantizing by the
-            fresh tensor it returns (writing any fresh 64 MiB tensor takes 10-10.7 ms).
+  "avx512"  AVX-512 F/BW/VL, 16 lanes, masked row tails, streamed codes for large tensors. Quantizing is
+            bound by one core's DRAM bandwidth (in L2 by vdivps; power-of-two scales multiply instead,
+            exactly), dequantizing by the fresh tensor it returns (timings: docs/design.md section 9).
   "avx2"    8 lanes with AVX2 intrinsics (gcc's own vectorization of the scalar loops spilled registers
-            and stored bytes one lane at a time: 2x slower), scalar row tails.
+            and stored bytes one lane at a time: about 2x slower), scalar row tails.
   "scalar"  the portable C loops, for every other CPU.
 Each path is step for step the same arithmetic (the same FP32 division, clamp and ties-to-even
 rounding), so the bits do not depend on the CPU. FP8RL_CPU_FLAGS_OFF="avx512f" (or "avx2") builds the
@@ -28,8 +25,9 @@ slower paths on a faster CPU (cpu_features.py).
 Applies to: CPU tensors, FP32/BF16 input, 2-D, nonempty, all blocks finite (otherwise the reference
 runs and raises or propagates NaN/inf exactly as before). Env: FP8RL_FUSED=0 turns it off;
 FP8RL_KERNEL_CACHE=<dir> moves the cache (default ~/.cache/fp8rl/kernels). The cache key hashes the
-source, the flags, the compiler's version and this CPU's model and flags (-march=native), so a node
+source and its header, the flags, the compiler's version and this CPU's model and flags (-march=native), so a node
 of another CPU type builds its own copy; concurrent builders write a temporary file and rename it.
+The codes passed to and returned by the C functions come from fp8rl_kernels.h (cbuild.constants).
 """
 from __future__ import annotations
 
@@ -48,12 +46,15 @@ from fp8rl_core.fp8 import cbuild, cpu_features
 SOURCE = Path(__file__).with_name("fused_cpu.c")
 FLAGS = cbuild.FLAGS
 ENV_OFF, ENV_CACHE = "FP8RL_FUSED", cbuild.ENV_CACHE
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1}
+_H = cbuild.constants()
+_DTYPE_CODE = {torch.float32: _H["FP8RL_DTYPE_F32"], torch.bfloat16: _H["FP8RL_DTYPE_BF16"]}
 _c_i64, _c_ptr = ctypes.c_int64, ctypes.c_void_p
 # the vector paths (fp8rl_simd_path's codes), the flags each needs, and the gcc options that switch each off
-SIMD_PATHS = {512: "avx512", 256: "avx2", 0: "scalar"}
+SIMD_PATHS = {_H["FP8RL_SIMD_AVX512"]: "avx512", _H["FP8RL_SIMD_AVX2"]: "avx2", _H["FP8RL_SIMD_SCALAR"]: "scalar"}
 PATH_NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2",), "scalar": ()}
 PATH_FLAGS = {"avx512": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx2",)}
+# each path as a target of its own (on -march=x86-64): the -Werror builds compile every one on any x86 CPU
+TARGETS = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl"), "avx2": ("-mavx2", "-mfma"), "scalar": ()}
 
 
 def enabled() -> bool:
@@ -137,7 +138,7 @@ def quantize(x2: torch.Tensor, block: tuple[int, int], power_of_two: bool, want_
                              None if q is None else q.data_ptr(), scale.data_ptr(),
                              None if deq is None else deq.data_ptr(),
                              work.data_ptr(), threads)
-    return None if bad else (q, scale, deq)
+    return None if bad == _H["FP8RL_DECLINED"] else (q, scale, deq)
 
 
 @torch.compiler.disable  # ctypes writes through data pointers: Dynamo must not trace it (heap corruption)
@@ -154,4 +155,4 @@ def dequantize(q2: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], ou
     threads = max(1, min(torch.get_num_threads(), m))
     bad = lib.fp8rl_dequantize(q2.data_ptr(), scale.data_ptr(), m, n, br, bc, out.data_ptr(),
                                _DTYPE_CODE[out_dtype], threads)
-    return None if bad else out
+    return None if bad == _H["FP8RL_DECLINED"] else out

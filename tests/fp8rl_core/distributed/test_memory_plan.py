@@ -292,3 +292,22 @@ def test_the_generation_copy_counts_each_formats_bytes(fmt, bits, scale_bytes):
     assert lin == p.block_linear
     expected = sum(n * k * bits // 8 + scale_bytes(n, k) for n, k in shapes) + 2 * (p.total - lin)
     assert plan.device["gen_weights"] == expected
+
+
+def test_each_steps_formula_in_bytes():
+    """The named steps of plan_memory, each against its docstring's formula (ModelConfig(), W = 2, native):
+    trainer state 4/8/2 N / W, fsdp (2 g + 4) N_blk + 8 N_root (BF16 gathers: 2 g + 6, g = 2), KV cache
+    b_gen x T x L x 2 x kv_heads x head_dim x 2 B, logits b_lp x T x V x 14 B."""
+    cfg, n = ModelConfig(), count_parameters(ModelConfig())
+    lay = Layout(world_size=2, rows_per_step=16, prompt_tokens=10, max_new_tokens=6, reference=True,
+                 generation_batch_size=3, logprob_batch_size=5, val_prompts=0)
+    plan = plan_memory(cfg, lay)
+    kv_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert [plan.device[k] for k in ("params", "optimizer", "reference")] == [4 * n.total // 2, 8 * n.total // 2,
+                                                                              2 * n.total // 2]
+    assert plan.phases["generation"] == {"kv_cache": 3 * 16 * kv_token}  # b_gen 3 of a rank's 8 rows, T = 16
+    fsdp = 12 * n.block + 8 * n.root
+    assert plan.phases["logprobs"] == {"logits": 5 * 16 * cfg.vocab_size * 14, "fsdp_unsharded": fsdp}
+    bf16 = plan_memory(cfg, replace(lay, bf16_gather=True))
+    assert bf16.phases["logprobs"]["fsdp_unsharded"] == 10 * n.block + 8 * n.root
+    assert "validation" not in plan.phases and set(plan.phases) == {"generation", "logprobs", "training"}
