@@ -6,7 +6,7 @@
     print(paths.verdicts_text)          # the claims table; json.dumps(paths.verdicts) for scripts
 
 Modules, in the order data flows: `fetch` (histories out of MLflow; `cell_ids` leaves out runs of an
-earlier version of the sweep file), `kernels` (`kernels_of(run)`: distinct, the study, or matched,
+earlier version of the sweep file), `kernel_match` (`kernels_of(run)`: distinct, the study, or matched,
 the zero-mismatch floor), `aggregate` (align steps, group by recipe × IS, Student-t CIs), `figures`
 (Figures 1 and 2), `table` (summary Markdown/CSV), `summaries` (robust per-run summaries, tails,
 paired cells), `floor` (the matched-kernel floor table), `eval_offset` (the step-0 offset
@@ -17,9 +17,10 @@ band `analysis.episodes`, their rate per arm), `episode_report` (the flagged run
 sensitivity line: the claims without the flagged runs), `rleval` (IQM and P(X > Y) tables), `verdicts`
 (the claims table for the terminal, JSON and Markdown), `report` (all of it, logged to the sweep's
 parent run). `synthetic` makes sweeps with known effects for tests and demos. The studies beside the
-claims (`analysis.kind`): `numerics` (+ `numerics_arms`, `numerics_episodes`), each knob against the default
-recipe; `engines` (+ `engine_arms`), Figure 1 per recipe · generation engine ("bf16 · vLLM"); `entry` is their
-shared `python -m analysis.<study> SWEEP_FILE` entry point.
+claims (`analysis.kind`): `numerics` (+ `numerics_effects`, `numerics_table`, `numerics_figure`,
+`numerics_arms`, `numerics_episodes`), each knob against the default recipe; `engines` (+ `engine_arms`),
+Figure 1 per recipe · generation engine ("bf16 · vLLM"); `provenance` their JSON's provenance; `entry` is
+their shared `python -m analysis.<study> SWEEP_FILE` entry point.
 """
 from __future__ import annotations
 

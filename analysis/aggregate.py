@@ -115,6 +115,18 @@ def _rank(key: str, value: str) -> tuple:
     return (order.index(value), "") if value in order else (len(order), value)
 
 
+def seed_key(seed: str) -> tuple:
+    """Seeds in numeric order ("2" before "10"), then any that are not integers, by name."""
+    return (0, int(seed), seed) if seed.lstrip("-").isdigit() else (1, 0, seed)
+
+
+def differing_params(runs: Sequence[RunHistory], shown: int = 6) -> str:
+    """The params in which `runs` differ, the first `shown` of them ("none (the same config twice)")."""
+    keys = sorted({k for r in runs for k in r.params})
+    differ = [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
+    return ", ".join(differ[:shown]) + (", ..." if len(differ) > shown else "") or "none (the same config twice)"
+
+
 def group_runs(runs: Sequence[RunHistory], by: Sequence[str] = DEFAULT_GROUP_KEYS,
                key: Callable[[RunHistory], Sequence[str]] | None = None) -> dict[tuple[str, ...], list[RunHistory]]:
     """Runs grouped by the values of `by` (a run lacking a key goes to value '?'), groups ordered.

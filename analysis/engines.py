@@ -11,7 +11,7 @@ vLLM generation and a bf16 run with ours would be one group there; here the arm 
 
 **Per run** (over its logged steps): `mismatch` = the median of token_mult_prob_error, `gen_kl` = the median
 of gen_kl_error (both heavy-tailed: a few tokens many nats apart make per-step spikes; the median is robust to
-them, as in claims 1–2). Matched-kernel runs (`analysis.kernels`) are left out. Two runs with the same arm and
+them, as in claims 1–2). Matched-kernel runs (`analysis.kernel_match`) are left out. Two runs with the same arm and
 seed make a ValueError naming the params they differ in (pairing by seed would be ambiguous).
 
 **Ordering fractions.** For every pair of arms (A, B), oriented by `engine_arms.EXPECTED_ORDER` (fixed before
@@ -55,10 +55,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from analysis import stats as st  # noqa: E402
-from analysis.aggregate import Curve, align, mean_ci  # noqa: E402
+from analysis.aggregate import Curve, align, differing_params, mean_ci, seed_key  # noqa: E402
 from analysis.claims import VERDICT, ClaimResult, compare, jsonable, ratio_text  # noqa: E402
 from analysis.config import AnalysisConfig  # noqa: E402
 from analysis.engine_arms import NATIVE, VLLM, EngineArm, arm_of, expected_pairs  # noqa: E402
+from analysis.entry import fetch_runs, log_files, sweep_file_main
 from analysis.fetch import RunHistory, SweepData  # noqa: E402
 from analysis.figures import (  # noqa: E402
     ACCEPTABLE,
@@ -71,9 +72,9 @@ from analysis.figures import (  # noqa: E402
     recipe_color,
     save,
 )
-from analysis.kernels import only_kernels  # noqa: E402
+from analysis.kernel_match import only_kernels  # noqa: E402
 from analysis.links import ui_link  # noqa: E402
-from analysis.numerics import provenance  # noqa: E402
+from analysis.provenance import provenance  # noqa: E402
 from analysis.settling import (  # noqa: E402
     ACCURACY_METRICS,
     Settling,
@@ -163,15 +164,11 @@ class EnginesResult:
         return next((a for a in self.arms if a.label == label), None)
 
 
-def _seed_key(seed: str) -> tuple:
-    return (0, int(seed), seed) if seed.lstrip("-").isdigit() else (1, 0, seed)
-
-
 def paired_differences(by_arm: dict[str, dict[str, RunEngines]], a: str, b: str, key: str
                        ) -> tuple[np.ndarray, list[str]]:
     """Per seed both arms ran with finite values: `b − a` of the per-run `key`, seeds in order."""
     ra, rb = by_arm.get(a, {}), by_arm.get(b, {})
-    seeds = [s for s in sorted(set(ra) & set(rb), key=_seed_key)
+    seeds = [s for s in sorted(set(ra) & set(rb), key=seed_key)
              if np.isfinite(ra[s].values[key]) and np.isfinite(rb[s].values[key])]
     return np.array([rb[s].values[key] - ra[s].values[key] for s in seeds], dtype=np.float64), seeds
 
@@ -183,9 +180,7 @@ def ordering(by_arm: dict[str, dict[str, RunEngines]], a: str, b: str, key: str,
 
 
 def _collision(label: str, seed: str, runs: Sequence[RunHistory]) -> ValueError:
-    keys = sorted({k for r in runs for k in r.params})
-    differ = [k for k in keys if len({r.params.get(k) for r in runs}) > 1]
-    shown = ", ".join(differ[:6]) + (", ..." if len(differ) > 6 else "") or "none (the same config twice)"
+    shown = differing_params(runs)
     return ValueError(f"arm {label!r}, seed {seed}: {len(runs)} runs ({', '.join(r.run_id for r in runs)}) with "
                       f"the same recipe and engines; they differ in {shown}. An engine sweep varies the recipe, the "
                       "engines and the seed only")
@@ -314,7 +309,7 @@ def arms_markdown(result: EnginesResult) -> str:
 
 def runs_markdown(result: EnginesResult) -> str:
     """One row per seed, one column pair per arm: the per-run medians."""
-    seeds = sorted({r.seed for r in result.runs}, key=_seed_key)
+    seeds = sorted({r.seed for r in result.runs}, key=seed_key)
     head = "| seed | " + " | ".join(f"{a.label}: mismatch | gen_kl" for a in result.arms) + " |"
     lines = [head, "|--:|" + "--:|--:|" * len(result.arms)]
     for seed in seeds:
@@ -344,7 +339,7 @@ def settling_markdown(result: EnginesResult) -> str:
     lines = ["| arm | seed | steps S / S' | last-half median at S | at S' | moved | 95% interval at S | settled |",
              "|---|--:|---|--:|--:|--:|---|---|"]
     for arm in result.arms:
-        for seed, r in sorted(result.by_arm.get(arm.label, {}).items(), key=lambda kv: _seed_key(kv[0])):
+        for seed, r in sorted(result.by_arm.get(arm.label, {}).items(), key=lambda kv: seed_key(kv[0])):
             st_ = r.settling
             if st_ is None:
                 continue
@@ -521,8 +516,6 @@ def make_engines_report(uri: str, experiment: str, sweep_name: str, out_dir: str
                         config: AnalysisConfig | None = None, cell_ids: Collection[str] | None = None,
                         sweep_file: str | Path | None = None) -> EnginesReport:
     """Fetch the sweep's child runs, analyze, write, and log the files under `report/` of the parent run."""
-    from analysis.entry import fetch_runs, log_files
-
     cfg = config or AnalysisConfig()
     data = fetch_runs(uri, experiment, sweep_name, parent_run_id, cell_ids)
     result = analyze(data.runs, cfg)
@@ -536,8 +529,6 @@ def make_engines_report(uri: str, experiment: str, sweep_name: str, out_dir: str
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m analysis.engines SWEEP_FILE`: the experiment, tracking URI, parent run, cells and `analysis:`
     block come from the sweep file, as `sweep report` reads them (`analysis.entry`)."""
-    from analysis.entry import sweep_file_main
-
     return sweep_file_main(argv, "analysis.engines", __doc__, make_engines_report)
 
 

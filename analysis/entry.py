@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from analysis.config import AnalysisConfig
+from fp8rl_core.tracking.runs import find_parent_run
+from fp8rl_core.tracking.store import Store
 
 
 def sweep_file_main(argv: Sequence[str] | None, module: str, doc: str | None, make: Callable[..., Any]) -> int:
@@ -26,7 +28,6 @@ def sweep_file_main(argv: Sequence[str] | None, module: str, doc: str | None, ma
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default the sweep file's tracking.uri)")
     p.add_argument("--no-log", action="store_true", help="do not log the files to the sweep's parent run")
     args = p.parse_args(argv)
-    from fp8rl_core.tracking.runs import find_parent_run
     from launchers.plan.grid import expand_grid
     from launchers.sweepfile.loading import load_sweep
 
@@ -65,7 +66,6 @@ def fetch_runs(uri: str, experiment: str, sweep_name: str, parent_run_id: str | 
 def log_files(uri: str, parent_run_id: str, files: Sequence[Any]) -> Any:
     """Log `files` under `report/` of the parent run; returns the Store client (for more tags)."""
     from analysis.links import ARTIFACT_DIR
-    from fp8rl_core.tracking.store import Store
 
     client = Store(uri)
     for path in files:

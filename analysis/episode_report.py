@@ -40,8 +40,9 @@ from analysis.episodes import (
     ranges_text,
 )
 from analysis.fetch import RunHistory
-from analysis.kernels import DISTINCT
+from analysis.kernel_match import DISTINCT
 from fp8rl_core.tracking import TAG_EPISODE, TAG_EPISODE_STEPS
+from fp8rl_core.tracking.store import set_tags
 
 WIDTH = 100  # the terminal block's line width (as the claims' rule paragraph, analysis.verdicts)
 NO_FLAGGED = "Sensitivity: no run is flagged (analysis.episodes), so no verdict rests on a flagged run"
@@ -229,8 +230,6 @@ def tag_runs(client, runs: Iterable[RunEpisodes]) -> None:
     """`fp8rl.episode` = true/false and `fp8rl.episode_steps` on every child run (one batch each;
     `client`: a `fp8rl_core.tracking.store.Store`): the runs table can then filter on them. Rewritten
     by each report (a mid-sweep run may get one later); a run without an id (in memory) is skipped."""
-    from fp8rl_core.tracking.store import set_tags  # MLflow behind its one home, imported when logging
-
     for e in runs:
         if e.run_id:
             set_tags(client, e.run_id, {TAG_EPISODE: str(e.has_episode).lower(), TAG_EPISODE_STEPS: e.steps_text})

@@ -42,7 +42,7 @@ from scipy import stats
 from analysis.aggregate import DEFAULT_GROUP_KEYS, group_runs
 from analysis.config import AnalysisConfig, EpisodeBand
 from analysis.fetch import RunHistory
-from analysis.kernels import DISTINCT, kernels_of, only_kernels
+from analysis.kernel_match import DISTINCT, kernels_of, only_kernels
 from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, TAG_IS, TAG_RECIPE, TAG_SEED
 
 MERGE_GAP = 2  # unflagged logged steps a range may bridge (see the module docstring)

@@ -24,7 +24,7 @@ import numpy as np
 
 from analysis.aggregate import estimate, recipe_rank
 from analysis.fetch import RunHistory
-from analysis.kernels import only_kernels
+from analysis.kernel_match import only_kernels
 from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_RECIPE, TAG_SEED
 
 OFFSET_STEP = 0

@@ -21,6 +21,8 @@ from fp8rl_core.explain import replay
 from fp8rl_core.explain.attribution import VariantResult
 from fp8rl_core.explain.replay import VARIANTS, explain, load_rollout, worst_recorded
 from fp8rl_core.tracking import M_FRAC_GT_1, M_MISMATCH
+from fp8rl_core.tracking.sink import RUN_ID_FILE
+from fp8rl_core.tracking.store import Store
 
 # The report and CLI of the attribution replay; the replay itself (rollout and weights loading, the
 # variants, the comparison, the worst tokens) is fp8rl_core/explain/replay.py, which returns data.
@@ -103,16 +105,12 @@ def write_report(run_dir: Path, step: int, results: list[VariantResult], worst: 
 
 def log_to_mlflow(run_dir: Path, cfg_tracking: Any, folder: Path) -> str | None:
     """Log `folder` as artifacts of the run's MLflow run; returns the run id (None: the run has none)."""
-    from fp8rl_core.tracking.sink import RUN_ID_FILE
-
     uri = getattr(cfg_tracking, "uri", None)
     run_id = getattr(cfg_tracking, "run_id", None)
     if run_id is None and (run_dir / RUN_ID_FILE).exists():
         run_id = (run_dir / RUN_ID_FILE).read_text().strip()
     if not uri or not run_id:
         return None
-    from fp8rl_core.tracking.store import Store
-
     Store(uri).log_artifacts(run_id, str(folder), f"diagnostics/{folder.name}")
     return run_id
 

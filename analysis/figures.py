@@ -7,7 +7,7 @@
   caption's second line is the paired per-step statistic behind "consistently lower": per seed, the
   fraction of steps at which one recipe's mismatch is below the other's (same seed and IS setting),
   its mean over seeds and t interval (`order_note`, `analysis.claims.step_order`). Matched-kernel runs
-  (`analysis.kernels`: the trainer replays the generation engine, the zero-mismatch floor) are their
+  (`analysis.kernel_match`: the trainer replays the generation engine, the zero-mismatch floor) are their
   own curves, dashed in the recipe's colour ("bf16, matched kernels"), their dashes shifted per recipe
   so that curves which coincide (bf16 and fp8_e2e both at 1 exactly) show both colours. A value of
   exactly 1 has no place on a log axis of ratio − 1: when a curve reaches it the axis gets a floor one
@@ -43,7 +43,7 @@ from analysis.claims import step_order  # noqa: E402
 from analysis.config import ACCURACY_LABELS, AnalysisConfig, EpisodeBand  # noqa: E402
 from analysis.episodes import group_marks  # noqa: E402
 from analysis.fetch import SweepData  # noqa: E402
-from analysis.kernels import MATCHED, only_kernels  # noqa: E402
+from analysis.kernel_match import MATCHED, only_kernels  # noqa: E402
 from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_IS, TAG_RECIPE, TAG_SEED  # noqa: E402
 
 RECIPE_COLORS = {"bf16": "#0072B2", "fp8_gen": "#D55E00", "fp8_e2e": "#009E73"}

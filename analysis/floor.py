@@ -3,7 +3,7 @@
     rows = floor_rows(data.runs)          # one dict per recipe that has matched-kernel runs
     text = floor_markdown(rows)           # the report's "floor" table
 
-Per recipe, over its matched-kernel runs (`engines.kernels: matched`, `analysis.kernels`; IS none in
+Per recipe, over its matched-kernel runs (`engines.kernels: matched`, `analysis.kernel_match`; IS none in
 the study's sweep), each run reduced over its logged steps t of x_t = token_mult_prob_error:
 - `median` = median_t x_t (as claims 1–2 read the distinct runs);
 - `exact_fraction` = (1/S) Σ_t [x_t == 1.0]: no tolerance, because the floor's point is bit-identical
@@ -22,7 +22,7 @@ import numpy as np
 from analysis.aggregate import recipe_rank
 from analysis.claims import ratio_text
 from analysis.fetch import RunHistory
-from analysis.kernels import DISTINCT, MATCHED, only_kernels
+from analysis.kernel_match import DISTINCT, MATCHED, only_kernels
 from fp8rl_core.tracking import M_MISMATCH, TAG_IS, TAG_RECIPE, TAG_SEED
 
 NAN = float("nan")

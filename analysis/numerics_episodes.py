@@ -32,11 +32,11 @@ from analysis.config import AnalysisConfig
 from analysis.episode_report import NO_FLAGGED, EpisodeSection, left_out_text
 from analysis.episodes import RunEpisodes, arm_rates, detect_all
 from analysis.fetch import RunHistory
-from analysis.kernels import DISTINCT, only_kernels
+from analysis.kernel_match import DISTINCT, only_kernels
 from analysis.numerics_arms import DEFAULT_ARM, TOO_FEW, arm_label
 
-if TYPE_CHECKING:  # the result type only: analysis.numerics imports this module
-    from analysis.numerics import NumericsResult
+if TYPE_CHECKING:  # the result type only: analysis.numerics_effects imports this module
+    from analysis.numerics_effects import NumericsResult
 
 ARM = "arm"  # the rates' group key (as numerics.json's arms)
 

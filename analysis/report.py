@@ -9,7 +9,7 @@
 Safe to run at any time, also mid-sweep (unfinished runs contribute the steps they have logged;
 the report says how many runs are FINISHED). `cell_ids`: only the runs of these cells are read; child
 runs of other cells under the same parent (an earlier version of the sweep file) are left out and
-counted in report.md. What reads which runs (`analysis.kernels`): Figure 1 all of them (matched-kernel
+counted in report.md. What reads which runs (`analysis.kernel_match`): Figure 1 all of them (matched-kernel
 runs dashed), the floor table the matched ones, everything else the distinct ones. Claims 3–4 decide
 on `analysis.accuracy_metric`; the other metric's claims 3–4 follow, marked not deciding; the JSON
 verdicts add `not_deciding`, `eval_offset` (analysis.eval_offset), `floor` (analysis.floor),
@@ -45,12 +45,13 @@ from analysis.eval_offset import offset_markdown, offset_rows
 from analysis.fetch import SweepData, fetch_sweep
 from analysis.figures import make_figures, order_note
 from analysis.floor import floor_markdown, floor_rows
-from analysis.kernels import MATCHED, only_kernels
+from analysis.kernel_match import MATCHED, only_kernels
 from analysis.links import ARTIFACT_DIR, ui_link  # noqa: F401  (ARTIFACT_DIR, ui_link: this module's API too)
 from analysis.rleval import rleval_markdown
 from analysis.summaries import summarize_all, tails_markdown
 from analysis.table import markdown_table, summary_rows, write_table
 from analysis.verdicts import format_verdicts, verdicts_json, verdicts_markdown
+from fp8rl_core.tracking.store import Store
 
 CLAIM_TAG = "fp8rl.claim.{}"
 
@@ -168,8 +169,6 @@ def _write_claims(out: Path, results: list[ClaimResult], aside: list[ClaimResult
 
 
 def _log_to_parent(uri: str, paths: ReportPaths) -> None:
-    from fp8rl_core.tracking.store import Store
-
     client = Store(uri)
     for path in paths.files():
         client.log_artifact(paths.logged_to, str(path), ARTIFACT_DIR)

@@ -13,7 +13,7 @@ Per run (over its logged steps t = 1..S of `token_mult_prob_error` x_t):
   `val_accuracy_bf16_eval` there (NaN for runs that did not log it); claims 3–4 read the one named by
   `analysis.accuracy_metric` (`ACCURACY_ATTR`).
 
-Only runs with distinct kernels are summarized by default (`analysis.kernels`): a matched-kernel cell
+Only runs with distinct kernels are summarized by default (`analysis.kernel_match`): a matched-kernel cell
 has the recipe, IS setting and seed of a distinct one, so the two would collide in every pairing.
 
 Pairs: runs that differ only in recipe share a seed and an IS setting, hence the prompts.
@@ -31,7 +31,7 @@ from scipy import stats
 
 from analysis.aggregate import IS_ORDER, RECIPE_ORDER, final_value
 from analysis.fetch import RunHistory
-from analysis.kernels import DISTINCT, only_kernels
+from analysis.kernel_match import DISTINCT, only_kernels
 from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_IS, TAG_RECIPE, TAG_SEED, TAIL_FRACTIONS
 
 FRAC_METRICS = TAIL_FRACTIONS  # the MLflow contract's per-step tail fractions (fp8rl_core/tracking)

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.fetch import RunHistory
-from analysis.kernels import DISTINCT, KERNELS_PARAM, MATCHED
+from analysis.kernel_match import DISTINCT, KERNELS_PARAM, MATCHED
 from analysis.summaries import FRAC_METRICS
 from fp8rl_core.tracking import (
     FINISHED,
@@ -52,6 +52,8 @@ from fp8rl_core.tracking import (
     TAG_RECIPE,
     TAG_SEED,
 )
+from fp8rl_core.tracking import runs as tr
+from fp8rl_core.tracking.store import Store
 
 MISMATCH = {"bf16": 1.004, "fp8_gen": 1.06, "fp8_e2e": 1.02}
 FINAL_ACC = {("bf16", "none"): 0.70, ("bf16", "token"): 0.70, ("fp8_gen", "none"): 0.52,
@@ -141,10 +143,6 @@ def log_sweep(uri: str, experiment: str, sweep_name: str, runs: Sequence[RunHist
               config_dir: str | Path | None = None) -> str:
     """Write `runs` as a sweep (parent + child runs, through `fp8rl_core.tracking.runs`); sets each
     run's `run_id`; returns the parent run id. Metrics go in `log_batch` calls of <= 1000."""
-    from fp8rl_core.tracking import TAG_CELL_ID, TAG_SEED
-    from fp8rl_core.tracking import runs as tr
-    from fp8rl_core.tracking.store import Store
-
     exp_id = tr.ensure_experiment(uri, experiment)
     parent = tr.create_parent_run(uri, experiment, sweep_name, params={"seeds": len({r.tags[TAG_SEED] for r in runs})},
                                   config={"experiment": experiment, "name": sweep_name})

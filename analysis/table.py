@@ -1,6 +1,6 @@
 """The summary table: one row per group (recipe × IS), Markdown for people and CSV for programs.
 
-Rows: distinct-kernel runs only (`analysis.kernels`; the matched-kernel floor has its own table,
+Rows: distinct-kernel runs only (`analysis.kernel_match`; the matched-kernel floor has its own table,
 `analysis.floor`). Per run a number is reduced from its history, then mean ± 95% CI (Student t) is
 taken over seeds:
 - final_val_accuracy: `val_accuracy` at the run's last validation step (a fraction; Markdown shows %);
@@ -26,7 +26,7 @@ from analysis.aggregate import DEFAULT_GROUP_KEYS, final_value, group_estimates,
 from analysis.config import AnalysisConfig
 from analysis.episodes import Rate, detect_all, episode_rate
 from analysis.fetch import SweepData
-from analysis.kernels import only_kernels
+from analysis.kernel_match import only_kernels
 from fp8rl_core.tracking import (
     M_IS_WEIGHT,
     M_MISMATCH,

@@ -21,8 +21,12 @@ import sys
 from collections.abc import Callable
 
 from fp8rl_core.config.schema import ConfigError
+from fp8rl_core.tracking.runs import find_parent_run
+from fp8rl_core.tracking.server import start_server
+from fp8rl_core.tracking.store import TrackingUnreachable, absolute_uri
 from launchers.plan import render as plan_text
 from launchers.plan.grid import expand_grid
+from launchers.run.sweep_report import write_report
 from launchers.sweepfile.loading import Sweep, load_sweep
 
 Handler = Callable[[argparse.Namespace], int]
@@ -118,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
          lambda p: p.add_argument("--watch", action="store_true", help="refresh until nothing is pending or running"),
          lambda p: p.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes (--watch)"))
 def status(args: argparse.Namespace) -> int:
-    from fp8rl_core.tracking.store import TrackingUnreachable
     from launchers.run.status import sweep_status
 
     try:
@@ -136,10 +139,6 @@ def _report_args(p: argparse.ArgumentParser) -> None:
 @command("report", "figures, table and claim checks from MLflow (any time, also mid-sweep)", sweep_file_args,
          _report_args)
 def report(args: argparse.Namespace) -> int:
-    from analysis.config import AnalysisConfig
-    from analysis.report import make_report
-    from fp8rl_core.tracking.runs import find_parent_run
-
     sweep = load(args)
     uri = sweep.tracking_uri()
     parent = find_parent_run(uri, sweep.experiment, sweep.experiment)
@@ -149,8 +148,8 @@ def report(args: argparse.Namespace) -> int:
     # a grid's cells as the file is now: child runs of cells it no longer has are left out (and counted);
     # a search's trials are whatever Optuna asked for, so every child run of its parent counts
     cell_ids = None if sweep.spec.search is not None else [c.id for c in expand_grid(sweep).cells]
-    paths = make_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report", parent,
-                        config=AnalysisConfig.from_dict(sweep.spec.analysis), cell_ids=cell_ids)
+    paths = write_report(uri, sweep.experiment, sweep.experiment, args.out or sweep.folder / "report", parent,
+                         sweep.spec.analysis, cell_ids)
     if args.json:
         print(json.dumps(paths.verdicts, indent=2))
         return 0
@@ -183,9 +182,6 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 def server(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
-
-    from fp8rl_core.tracking.server import start_server
-    from fp8rl_core.tracking.store import absolute_uri
 
     store = absolute_uri(args.store, Path.cwd())
     srv = start_server(store, args.artifacts_destination, host=args.host, port=args.port, workers=args.workers)

@@ -151,6 +151,41 @@ def test_a_planted_type_checking_import_is_caught():
     assert type_checking_violations(sibling, "fp8rl_core.loop.step", ranks) == []  # loop is above tasks
 
 
+def test_the_analysis_importing_the_engine_or_mlflow_outside_its_home_breaks_them(tmp_path):
+    """The analysis importing the sweep engine breaks the one direction (launchers -> analysis); tracking's
+    runs.py importing MLflow breaks its one home (tracking/store.py)."""
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for path, line in (("analysis/stats.py", "from launchers.plan import cells"),
+                       ("fp8rl_core/tracking/runs.py", "import mlflow")):
+        module = tmp_path / path
+        module.write_text(module.read_text() + f"\n{line}  # noqa: E402  (deliberate)\n")
+    out = _lint(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "analysis.stats -> launchers.plan.cells" in out.stdout
+    assert "fp8rl_core.tracking.runs -> mlflow" in out.stdout
+    text = " ".join(out.stdout.split())  # contract names wrap across lines
+    assert "the sweep engine calls the analysis, never the other way round BROKEN" in text, out.stdout
+    assert "each behind one home (lazily imported) BROKEN" in text, out.stdout
+
+
+_NO_MLFLOW = """
+import sys
+import analysis, analysis.report, fp8rl_core.tracking.lifecycle, fp8rl_core.tracking.runs, launchers.cli
+import launchers.run.driver
+print(sorted(m for m in sys.modules if m == "mlflow" or m.startswith("mlflow.")))
+"""
+
+
+def test_the_sweep_command_and_the_analysis_load_without_mlflow():
+    """MLflow is imported lazily at its one home (tracking/store.py), on the first client: the `sweep`
+    command, the analysis and tracking's run management import cheaply (a fresh interpreter)."""
+    out = subprocess.run([sys.executable, "-c", _NO_MLFLOW], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(out.stdout.strip().replace("'", '"')) == []
+
+
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative) of `edges`
     (module -> the modules it imports directly)."""

@@ -25,7 +25,8 @@ Modules, lowest first (no cycles): `contract` (names) <- `jsonl` (the local buff
 `mlflow_sink` (ships the buffer) <- `runs` <- `lifecycle`, `sink` (what a training run logs through:
 `make_run_sink`).
 
-Submodules that import MLflow are loaded lazily, so that `import fp8rl_core.tracking` stays cheap.
+MLflow itself is imported by `store.py` alone, on first use (the client, its entities, its exception
+class), so every module here imports cheaply; the submodules below are still loaded on first use.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fp8rl_core.tracking import runs
 from fp8rl_core.tracking.contract import END_STATUSES, FAILED, FINISHED, KILLED, OPEN_STATUSES, RUNNING
 
 PAUSED = RUNNING  # run(stop_after=N) stopped on purpose: the run goes on in a later call
@@ -99,39 +100,29 @@ class Lifecycle:
     def job_ended(self, run_id: str, error: BaseException, requeued: bool, buffer_path: str | Path) -> str | None:
         """The cell job's `run()` raised: RUNNING again (a requeue), or ended as `job_status` says,
         after shipping what the cell logged; the status written, or None."""
-        from fp8rl_core.tracking.runs import end_run, start_run
-
         status = job_status(error, requeued)
         if status == RUNNING:
-            start_run(self.uri, run_id)
+            runs.start_run(self.uri, run_id)
         elif status is not None:
             text = None if status != FAILED else f"{type(error).__name__}: {error}"
-            end_run(self.uri, run_id, status, buffer_path=buffer_path, error=text)
+            runs.end_run(self.uri, run_id, status, buffer_path=buffer_path, error=text)
         return status
 
     def job_gone(self, run_id: str, mlflow_status: str | None, buffer_path: str | Path) -> bool:
         """A cell's job is no longer alive: end its run as `gone_status` says; True when written."""
-        from fp8rl_core.tracking.runs import end_run
-
         status = gone_status(mlflow_status)
-        return status is not None and end_run(self.uri, run_id, status, buffer_path=buffer_path)
+        return status is not None and runs.end_run(self.uri, run_id, status, buffer_path=buffer_path)
 
     def cancelled(self, run_id: str, before: str | None, now: str | None, buffer_path: str | Path) -> bool:
         """`sweep cancel` signalled the cell's job: end its run as `cancel_status` says."""
-        from fp8rl_core.tracking.runs import end_run
-
         status = cancel_status(before, now)
-        return status is not None and end_run(self.uri, run_id, status, buffer_path=buffer_path, only_open=False)
+        return status is not None and runs.end_run(self.uri, run_id, status, buffer_path=buffer_path, only_open=False)
 
     def sweep_started(self, parent_run_id: str) -> None:
         """The driver took the sweep: its parent run RUNNING (again)."""
-        from fp8rl_core.tracking.runs import start_run
-
-        self._call(start_run, self.uri, parent_run_id)
+        self._call(runs.start_run, self.uri, parent_run_id)
 
     def sweep_ended(self, parent_run_id: str, status: str) -> None:
         """End the sweep's parent run as `status` (from grid_parent_status, search_parent_status,
         PARENT_STOPPED or PARENT_CANCELLED), whatever it was before."""
-        from fp8rl_core.tracking.runs import finish_run
-
-        self._call(finish_run, self.uri, parent_run_id, status)
+        self._call(runs.finish_run, self.uri, parent_run_id, status)

@@ -35,14 +35,22 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
+from typing import TYPE_CHECKING, Any
 
 from fp8rl_core.tracking.contract import FINISHED, RUNNING
 from fp8rl_core.tracking.jsonl import JsonlSink, check_status, read_records
-from fp8rl_core.tracking.store import MAX_TAG_VALUE_LEN, Store, context_tags, flatten_params, set_status
+from fp8rl_core.tracking.store import (
+    MAX_TAG_VALUE_LEN,
+    Store,
+    context_tags,
+    entity_types,
+    flatten_params,
+    mlflow_error,
+    set_status,
+)
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric, Param, RunTag
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,7 @@ class _Chunk:
 
 def _entities(rec: dict) -> tuple[list[Metric], list[Param], list[RunTag]]:
     kind, values = rec.get("kind"), rec.get("values") or {}
+    Metric, Param, RunTag = entity_types()  # MLflow's classes, imported on first use
     if kind == "metrics":
         return [Metric(k, float(v), int(rec["time_ms"]), int(rec["step"])) for k, v in values.items()], [], []
     if kind == "params":
@@ -109,7 +118,7 @@ def chunks(records: Iterator[tuple[int, dict]]) -> Iterator[_Chunk]:
 
 
 def is_permanent(error: BaseException) -> bool:
-    return isinstance(error, MlflowException) and error.error_code in PERMANENT_ERRORS
+    return isinstance(error, mlflow_error()) and error.error_code in PERMANENT_ERRORS
 
 
 class MlflowSink:

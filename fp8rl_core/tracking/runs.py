@@ -33,8 +33,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mlflow.exceptions import MlflowException
-
 from fp8rl_core.tracking.contract import (
     EXPERIMENT_TAGS,
     FINISHED,
@@ -67,6 +65,7 @@ from fp8rl_core.tracking.store import (  # noqa: F401  (flatten_params, context_
     flatten_params,
     log_config_artifact,
     log_params,
+    mlflow_error,
     retry_locked,
     set_status,
     set_tags,
@@ -86,7 +85,7 @@ def ensure_experiment(uri: str, name: str, artifact_location: str | None = None)
     if exp is None:
         try:
             return client.create_experiment(name, artifact_location or default_artifact_location(uri), EXPERIMENT_TAGS)
-        except MlflowException as e:  # another process created it between our two calls
+        except mlflow_error() as e:  # another process created it between our two calls
             exp = client.get_experiment_by_name(name)
             if exp is None:
                 raise e

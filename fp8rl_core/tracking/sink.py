@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from fp8rl_core.tracking import FINISHED, METRICS_FILE, TAG_CELL_ID, TAG_IS, TAG_RECIPE, TAG_SEED
 from fp8rl_core.tracking.jsonl import RUN_STATUSES, JsonlSink, check_status, now_ms, read_records, to_metric_values
+from fp8rl_core.tracking.mlflow_sink import MlflowSink
+from fp8rl_core.tracking.runs import create_run
 
 __all__ = ["RUN_STATUSES", "JsonlSink", "MetricSink", "MultiSink", "check_status", "make_run_sink", "now_ms",
            "read_records", "run_params", "to_metric_values"]
@@ -124,7 +126,6 @@ def _standalone_run_id(cfg: Any, out_dir: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     from fp8rl_core.config import run_config_hash
-    from fp8rl_core.tracking.runs import create_run
 
     tags = {TAG_RECIPE: cfg.recipe, TAG_IS: cfg.loss.importance_sampling, TAG_SEED: cfg.seed,
             TAG_CELL_ID: run_config_hash(cfg), **cfg.tracking.tags}
@@ -146,8 +147,6 @@ def make_run_sink(cfg: Any, out_dir: str | Path, resume_step: int | None = None)
     if not cfg.tracking.uri:
         sink: MetricSink = JsonlSink(out / METRICS_FILE)
     else:
-        from fp8rl_core.tracking.mlflow_sink import MlflowSink
-
         run_id = cfg.tracking.run_id or _standalone_run_id(cfg, out)
         sink = MlflowSink(cfg.tracking.uri, run_id, out / METRICS_FILE)
     if resume_step:

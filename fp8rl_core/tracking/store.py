@@ -31,7 +31,7 @@ from fp8rl_core.config.schema import flatten
 from fp8rl_core.tracking.contract import END_STATUSES, OPEN_STATUSES, RUNNING  # noqa: F401  (OPEN_STATUSES: API)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from mlflow.entities import Experiment, Metric, Run
+    from mlflow.entities import Experiment, Metric, Param, Run, RunTag
 
 T = TypeVar("T")
 SQLITE = "sqlite:///"  # MLflow is imported by the functions that call it: URI helpers stay cheap
@@ -181,6 +181,20 @@ def _param_key(key: str) -> str:
 def flatten_params(config: Mapping[str, Any]) -> dict[str, str]:
     """Nested config -> `{"a.b": "value"}` within MLflow's limits (lists as JSON, None as 'None')."""
     return {_param_key(k): _param_text(v) for k, v in flatten(dict(config)).items()}
+
+
+def mlflow_error() -> type[Exception]:
+    """MLflow's exception class, imported on first use (this module is MLflow's one home in the package)."""
+    from mlflow.exceptions import MlflowException
+
+    return MlflowException
+
+
+def entity_types() -> tuple[type[Metric], type[Param], type[RunTag]]:
+    """MLflow's `Metric`, `Param` and `RunTag` entities, imported on first use."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    return Metric, Param, RunTag
 
 
 def log_params(client: Store, run_id: str, params: Mapping[str, Any]) -> None:

@@ -16,11 +16,12 @@ from typing import Any, TextIO
 
 from fp8rl_core.tracking import METRICS_FILE
 from fp8rl_core.tracking.lifecycle import PARENT_CANCELLED, Lifecycle
+from fp8rl_core.tracking.runs import run_statuses
 from fp8rl_core.tracking.store import retry_locked
 from launchers.executors import Executors, JobHandle, by_kind, is_alive
 from launchers.plan.cells import CELLS_SUBFOLDER
 from launchers.process import is_sweep_driver, terminate
-from launchers.run.context import handle_of
+from launchers.run.cell_facts import handle_of
 from launchers.run.state import LOCK_FILE, SweepState, is_locked, load_state, save_state
 from launchers.sweepfile.loading import Sweep
 
@@ -49,7 +50,6 @@ def stop_drivers(pids: Sequence[int], wait_s: float = DRIVER_WAIT_S) -> list[int
 def _run_statuses(sweep: Sweep, state: SweepState, cell_ids: set[str]) -> dict[str, str]:
     """`{cell_id: status}` of the run each cell's state records (the run its open attempt writes),
     from ONE MLflow query."""
-    from fp8rl_core.tracking.runs import run_statuses
 
     run_of = {cid: rec.run_id for cid in cell_ids if (rec := state.cells.get(cid)) and rec.run_id}
     found = retry_locked(run_statuses, sweep.tracking_uri(), sweep.experiment, list(run_of.values()))

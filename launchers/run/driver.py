@@ -4,7 +4,7 @@
     rc = run_sweep(sweep, detach=True)                     # submit (SLURM) / start in background, return
 
 The shared steps live in the session (`launchers.run.session.SweepSession`), the watch-and-retry
-loop in `launchers.run.loop.SweepLoop` (fed by a cell source: `sources.GridSource` here,
+loop in `launchers.run.loop.SweepLoop` (fed by a cell source: `cell_sources.GridSource` here,
 `search.TrialSource` for an Optuna search); this module is the walk that strings them together and
 the frame every `sweep run` shares (`drive`: background driver, lock, SIGTERM). One walk: validate
 (expand; nothing exists yet if this fails) -> take the sweep's driver lock ->
@@ -28,10 +28,10 @@ from launchers.executors import Executor, JobHandle, Task
 from launchers.plan.cells import Cell
 from launchers.plan.grid import expand
 from launchers.process import spawn_detached, stop_on_sigterm
+from launchers.run.cell_sources import GridSource
 from launchers.run.jobs import RunFn, report_stage
 from launchers.run.loop import SweepLoop
 from launchers.run.session import SweepSession
-from launchers.run.sources import GridSource
 from launchers.run.state import DriverBusy, DriverLock, StageJob
 from launchers.sweepfile.loading import Sweep
 

@@ -30,6 +30,9 @@ import submitit
 
 from fp8rl_core.config import RunConfig, run_config_from_dict
 from fp8rl_core.tracking import METRICS_FILE
+from fp8rl_core.tracking.lifecycle import Lifecycle, grid_parent_status
+from fp8rl_core.tracking.runs import cell_states
+from launchers.run.sweep_report import finished_count, write_report
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,6 @@ def _mark_run(cfg: RunConfig, error: BaseException, requeued: bool) -> None:
     if not uri or not run_id or global_rank() != 0:  # rank 0 alone talks to MLflow
         return
     try:
-        from fp8rl_core.tracking.lifecycle import Lifecycle
-
         Lifecycle(uri).job_ended(run_id, error, requeued, Path(cfg.output_dir) / METRICS_FILE)
     except Exception as e:  # never hide the cell's own error behind a tracking error
         log.warning("could not mark MLflow run %s after %s: %s", run_id, type(error).__name__, e)
@@ -157,19 +158,10 @@ def report_stage(uri: str, experiment: str, sweep_name: str, out_dir: str, paren
     FINISHED when all `n_cells` cells finished, else FAILED. `analysis`: the sweep file's `analysis:`
     block; `cell_ids`: its cells when submitted (child runs of other cells, from an earlier version of
     the file, are left out of the report). Returns the report's path; the verdicts go to the job's log."""
-    from analysis.config import AnalysisConfig
-    from analysis.report import make_report
-    from fp8rl_core.tracking import FINISHED
-    from fp8rl_core.tracking.lifecycle import Lifecycle, grid_parent_status
-    from fp8rl_core.tracking.runs import cell_states
-
     try:
-        paths = make_report(uri, experiment, sweep_name, out_dir, parent_run_id=parent_run_id,
-                            config=AnalysisConfig.from_dict(analysis), cell_ids=cell_ids)
+        paths = write_report(uri, experiment, sweep_name, out_dir, parent_run_id, analysis, cell_ids)
         print(paths.verdicts_text, flush=True)
     finally:
-        states = cell_states(uri, experiment, sweep_name)
-        current = states if cell_ids is None else {c: states[c] for c in cell_ids if c in states}
-        done = sum(s == FINISHED for s in current.values())  # runs of an earlier file's cells do not count
+        done = finished_count(cell_states(uri, experiment, sweep_name), cell_ids)
         Lifecycle(uri).sweep_ended(parent_run_id, grid_parent_status(done, n_cells))
     return str(paths.report)

@@ -1,4 +1,4 @@
-"""The sweep loop, one for grids and searches: admit cells from a source (`sources.py`: a fixed grid,
+"""The sweep loop, one for grids and searches: admit cells from a source (`cell_sources.py`: a fixed grid,
 or Optuna trials), keep their jobs submitted within the executor's slots, poll them all once per tick,
 settle the ones that ended (retry or give up) and print progress.
 
@@ -18,9 +18,9 @@ from launchers.executors import JobHandle, Task, is_alive
 from launchers.plan import rules
 from launchers.plan.cells import Cell
 from launchers.process import DriverStopped
+from launchers.run.cell_sources import CellSource
 from launchers.run.progress import cell_step, error_tail, eta_seconds, fmt_duration
 from launchers.run.session import SweepSession
-from launchers.run.sources import CellSource
 
 PROGRESS_EVERY_S = 30.0
 CANCEL_WAIT_S = 20.0
@@ -29,7 +29,7 @@ MAX_SHOWN = 4  # running cells listed on the progress line
 
 class SweepLoop:
     def __init__(self, session: SweepSession, source: CellSource):
-        self.s, self.source = session, source
+        self.session, self.source = session, source
         self.active: dict[str, JobHandle] = {}  # cell id -> its alive job
         self.queue: list[tuple[Task, str | None]] = []  # (a cell's task, its sbatch dependency): its run exists
         self.stages: list[JobHandle] = []  # warm-start jobs the queued cells wait for (SLURM)
@@ -43,8 +43,8 @@ class SweepLoop:
         """Survey `cells` (one poll, one MLflow query): watch the alive jobs, close the ones that need
         nothing; the cells to run (the caller launches them)."""
         for cell in cells:
-            self.s.add_cell(cell)
-        actions, watch = self.s.assess([c.id for c in cells])
+            self.session.add_cell(cell)
+        actions, watch = self.session.assess([c.id for c in cells])
         self.source.admitted(actions)
         self.active.update(watch)
         for cell in cells:
@@ -62,21 +62,21 @@ class SweepLoop:
         if fresh:
             to_run = self.admit(fresh)
             if to_run:
-                self.launch(to_run, self.s.warm_start(to_run))
+                self.launch(to_run, self.session.warm_start(to_run))
 
     def launch(self, cells: list[Cell], warm_start_job: str | None) -> None:
         """Create every cell's child run now (the UI lists them SCHEDULED), queue them, submit what fits."""
         dependency = f"afterok:{warm_start_job}" if warm_start_job else None
         if warm_start_job:
-            stage = next(s for s in self.s.state.stages if s.job_id == warm_start_job)
+            stage = next(s for s in self.session.state.stages if s.job_id == warm_start_job)
             self.stages.append(JobHandle(stage.name, stage.job_id, stage.kind, None, stage.stderr))
         tags = {c.id: self.source.tags(c) for c in cells}
-        self.queue += [(t, dependency) for t in self.s.tasks_for(cells, tags)]
+        self.queue += [(t, dependency) for t in self.session.tasks_for(cells, tags)]
         self.submit_some()
 
     def submit_some(self) -> None:
         """Submit as many queued cells as the executor has slots for, as one batch of one dependency."""
-        ex = self.s.executor
+        ex = self.session.executor
         n = ex.slots(sum(h.kind == ex.kind for h in self.active.values()))
         if n <= 0 or not self.queue:
             return
@@ -84,9 +84,9 @@ class SweepLoop:
         batch = [t for t, dep in self.queue if dep == dependency][:n]
         names = {t.name for t in batch}
         self.queue = [(t, dep) for t, dep in self.queue if t.name not in names]
-        for h in self.s.submit(batch, dependency):
+        for h in self.session.submit(batch, dependency):
             self.active[h.name] = h
-            self.source.submitted(self.s.by_id[h.name], h)
+            self.source.submitted(self.session.by_id[h.name], h)
 
     # ---- the loop ----------------------------------------------------------------------------------
     def drive(self, initial: list[Cell]) -> int:
@@ -107,83 +107,83 @@ class SweepLoop:
             self.submit_some()
             if not (self.queue or self.active):
                 return
-            time.sleep(self.s.poll_s)
+            time.sleep(self.session.poll_s)
             self.tick()
 
     def tick(self) -> None:
-        states = self.s.poll([*self.active.values(), *self.stages])
+        states = self.session.poll([*self.active.values(), *self.stages])
         self._watch_stages(states)
         ended = [cid for cid, h in self.active.items() if not is_alive(states.get(h.job_id))]
         if ended:
-            mlflow = self.s.mlflow_states()  # after the poll: an ended job's run status is final
+            mlflow = self.session.mlflow_states()  # after the poll: an ended job's run status is final
             for cid in ended:
                 self._settle(cid, mlflow.get(cid), states.get(self.active.pop(cid).job_id))
-            self.s.save()
+            self.session.save()
         self.render(states)
 
     def _watch_stages(self, states: dict[str, str]) -> None:
         for stage in [s for s in self.stages if not is_alive(states.get(s.job_id))]:
             if states.get(stage.job_id) != "done":
-                self.s.say(f"warm start job {stage.job_id} {states.get(stage.job_id)}: "
-                           f"{error_tail(stage.stderr) or 'no log'}; SLURM cancels the cells waiting for it")
+                self.session.say(f"warm start job {stage.job_id} {states.get(stage.job_id)}: "
+                                 f"{error_tail(stage.stderr) or 'no log'}; SLURM cancels the cells waiting for it")
             self.stages.remove(stage)
 
     def _settle(self, cid: str, status: str | None, job_state: str | None) -> None:
         """The cell's job ended: finished, to retry, or failed for good."""
-        rec = self.s.state.record(cid)
-        self.s.changes += 1
-        self.s.settle_cell(cid, status, job_state)
-        action = rules.decide(status, rec, None, self.s.retries)
-        cell = self.s.by_id[cid]
+        rec = self.session.state.record(cid)
+        self.session.changes += 1
+        self.session.settle_cell(cid, status, job_state)
+        action = rules.decide(status, rec, None, self.session.retries)
+        cell = self.session.by_id[cid]
         if action == rules.SKIP:
             self.finished.add(cid)
             self.source.ended(cell, True)
             return
-        err = self.s.error_of(cid)
+        err = self.session.error_of(cid)
         if action == rules.RUN:
-            self.s.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}): {err}; retrying")
-            self.launch([cell], self.s.warm_start([cell]))  # the warm start is cached: usually a no-op
+            self.session.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}): {err}; retrying")
+            self.launch([cell], self.session.warm_start([cell]))  # the warm start is cached: usually a no-op
         else:
-            self.s.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}, no retries left): {err}")
+            self.session.say(f"cell {cid} {cell.label()} failed (attempt {len(rec.attempts)}, no retries left): {err}")
             self.failed.add(cid)
             self.source.ended(cell, False)
 
     # ---- progress ----------------------------------------------------------------------------------
     def render(self, states: dict[str, str]) -> None:
-        s = self.s
+        session = self.session
         running = {cid: h for cid, h in self.active.items() if states.get(h.job_id) == "running"}
         pending = len(self.queue) + len(self.active) - len(running)
-        steps = {cid: cell_step(s.cell_dir(cid)) for cid in self.active}
-        shown = ", ".join(f"{cid[:6]} {max(steps[cid].step, 0)}/{s.by_id[cid].config.train.steps}"
+        steps = {cid: cell_step(session.cell_dir(cid)) for cid in self.active}
+        shown = ", ".join(f"{cid[:6]} {max(steps[cid].step, 0)}/{session.by_id[cid].config.train.steps}"
                           for cid in list(running)[:MAX_SHOWN])
         more = f" +{len(running) - MAX_SHOWN}" if len(running) > MAX_SHOWN else ""
-        key = (f"{len(s.cells)} cells: {pending} pending, {len(running)} running, {len(self.finished)} done, "
+        key = (f"{len(session.cells)} cells: {pending} pending, {len(running)} running, {len(self.finished)} done, "
                f"{len(self.failed)} failed" + (f" | {shown}{more}" if shown else ""))
         now = time.time()
         if key == self._last_key and now - self._last_print < PROGRESS_EVERY_S:
             return
-        remaining = sum(s.by_id[t.name].config.train.steps for t, _ in self.queue) + sum(
-            s.by_id[cid].config.train.steps - max(0, st.step) for cid, st in steps.items())
+        remaining = sum(session.by_id[t.name].config.train.steps for t, _ in self.queue) + sum(
+            session.by_id[cid].config.train.steps - max(0, st.step) for cid, st in steps.items())
         eta = eta_seconds(remaining, [st.seconds_per_step() for st in steps.values()],
-                          min(s.sweep.launcher.max_parallel, len(self.queue) + len(self.active)))
-        s.say(f"[{fmt_duration(now - self.t0)}] {key}" + (f" | ETA {fmt_duration(eta)}" if remaining else ""))
+                          min(session.sweep.launcher.max_parallel, len(self.queue) + len(self.active)))
+        session.say(f"[{fmt_duration(now - self.t0)}] {key}" + (f" | ETA {fmt_duration(eta)}" if remaining else ""))
         self._last_key, self._last_print = key, now
 
     # ---- Ctrl-C / SIGTERM ----------------------------------------------------------------------------
     def stop(self, why: str) -> None:
         """Local jobs end with the driver (their runs KILLED, attempts not counted as failures);
         SLURM jobs keep running on the cluster (`sweep status`, `sweep cancel` find them)."""
-        s = self.s
+        session = self.session
         local = [h for h in self.active.values() if h.kind == "local"]
         if local:
             from launchers.run.cancel import cancel_handles
 
-            cancel_handles(s.sweep, s.state, local, s.executors, CANCEL_WAIT_S)
-            s.say(f"stopped ({why}): {len(local)} local job(s) cancelled; `sweep run` again resumes them")
+            cancel_handles(session.sweep, session.state, local, session.executors, CANCEL_WAIT_S)
+            session.say(f"stopped ({why}): {len(local)} local job(s) cancelled; `sweep run` again resumes them")
         others = len(self.active) - len(local)
         if not others:  # nothing of the sweep runs any more
-            s.end_sweep(PARENT_STOPPED)
+            session.end_sweep(PARENT_STOPPED)
         else:
-            s.say(f"stopped ({why}): {others} job(s) keep running; follow them with `sweep status "
-                  f"{s.sweep.name} --watch`, stop them with `sweep cancel {s.sweep.name}`")
-        s.save()
+            session.say(f"stopped ({why}): {others} job(s) keep running; follow them with `sweep status "
+                        f"{session.sweep.name} --watch`, stop them with `sweep cancel {session.sweep.name}`")
+        session.save()

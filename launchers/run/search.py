@@ -17,6 +17,7 @@ from typing import Any, TextIO
 
 from fp8rl_core.tracking import BEST_PREFIX, TAG_BEST_PARAMS, TAG_CELL_ID, TAG_TRIAL
 from fp8rl_core.tracking.lifecycle import search_parent_status
+from fp8rl_core.tracking.runs import find_or_create_cell_run, last_metric, log_summary
 from fp8rl_core.tracking.store import retry_locked
 from launchers.executors import Executor, JobHandle
 from launchers.plan.cells import Cell
@@ -75,7 +76,7 @@ class TrialSource:
     their cell ends (the value: the last logged `search.metric` of its MLflow run)."""
 
     def __init__(self, session: SweepSession, study: Any):
-        self.s, self.study = session, study
+        self.session, self.study = session, study
         self.sweep, self.search = session.sweep, session.sweep.spec.search
         self.extra_trials = 0  # failed trials asked again (--retry-failed), beyond n_trials
         self.trials: dict[str, list[int]] = {}  # cell id -> open trial numbers (equal params share a cell)
@@ -107,13 +108,13 @@ class TrialSource:
         trial's params are asked again (a new trial on the same cell)."""
         from optuna.trial import TrialState
 
-        self.s.forgive_failures()
+        self.session.forgive_failures()
         failed = self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
         for t in failed:
             self.study.enqueue_trial(dict(t.params), skip_if_exists=False)
         self.extra_trials = len(failed)
         if failed:
-            self.s.say(f"retrying {len(failed)} failed trial(s)")
+            self.session.say(f"retrying {len(failed)} failed trial(s)")
 
     def _asked(self, waiting: Any) -> int:
         """Trials asked so far (enqueued grid points wait to be asked)."""
@@ -135,7 +136,7 @@ class TrialSource:
 
     def submitted(self, cell: Cell, handle: JobHandle) -> None:
         numbers = self.trials.get(cell.id) or ["?"]
-        self.s.say(f"trial {numbers[0]}: cell {cell.id} {cell.label()} submitted (job {handle.job_id})")
+        self.session.say(f"trial {numbers[0]}: cell {cell.id} {cell.label()} submitted (job {handle.job_id})")
 
     def ended(self, cell: Cell, finished: bool) -> None:
         """Tell the cell's open trials: its metric when it finished, else FAIL."""
@@ -145,41 +146,39 @@ class TrialSource:
         for number in self.trials.pop(cell.id, []):
             if value is None:
                 self.study.tell(number, state=TrialState.FAIL)
-                err = self.s.error_of(cell.id)
-                self.s.say(f"trial {number}: FAILED {cell.label()}: {err or 'no ' + self.search.metric + ' logged'}")
+                err = self.session.error_of(cell.id)
+                self.session.say(f"trial {number}: FAILED {cell.label()}: "
+                                 f"{err or 'no ' + self.search.metric + ' logged'}")
             else:
                 self.study.tell(number, value)
-                self.s.say(f"trial {number}: {self.search.metric} = {value:.4g} {cell.label()}")
+                self.session.say(f"trial {number}: {self.search.metric} = {value:.4g} {cell.label()}")
 
     def _metric(self, cell: Cell) -> float | None:
         """The last logged value of search.metric in the cell's MLflow run (None if never logged)."""
-        from fp8rl_core.tracking.runs import find_or_create_cell_run, last_metric
-
-        s = self.s
-        run_id = s.state.record(cell.id).run_id
+        session = self.session
+        run_id = session.state.record(cell.id).run_id
         if run_id is None:
-            run_id, _ = retry_locked(find_or_create_cell_run, s.uri, s.exp_id, s.state.parent_run_id, cell.id)
-        return last_metric(s.uri, run_id, self.search.metric)
+            run_id, _ = retry_locked(find_or_create_cell_run, session.uri, session.exp_id,
+                                     session.state.parent_run_id, cell.id)
+        return last_metric(session.uri, run_id, self.search.metric)
 
     def finish(self) -> int:
         """The best trial (printed, logged to the parent run), the parent run's end, the exit code."""
         from optuna.trial import TrialState
 
-        from fp8rl_core.tracking.runs import log_summary
-
-        s = self.s
+        session = self.session
         done = self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
         completed_cells = {t.user_attrs.get(CELL_ATTR) for t in done}
         failed = [t for t in self.study.get_trials(deepcopy=False, states=(TrialState.FAIL,))
                   if t.user_attrs.get(CELL_ATTR) not in completed_cells]  # not since retried to completion
         if done:
             best = self.study.best_trial
-            s.say(f"best trial {best.number}: {self.search.metric} = {best.value:.4g} with {best.params}")
-            log_summary(s.uri, s.state.parent_run_id, {f"{BEST_PREFIX}{self.search.metric}": best.value},
+            session.say(f"best trial {best.number}: {self.search.metric} = {best.value:.4g} with {best.params}")
+            log_summary(session.uri, session.state.parent_run_id, {f"{BEST_PREFIX}{self.search.metric}": best.value},
                         {TAG_BEST_PARAMS: repr(best.params)})
-        s.say(f"search {self.sweep.experiment}: {len(done)} trials complete, {len(failed)} failed "
+        session.say(f"search {self.sweep.experiment}: {len(done)} trials complete, {len(failed)} failed "
               f"(storage {self.sweep.study_storage()})")
-        s.end_sweep(search_parent_status(len(done)))
+        session.end_sweep(search_parent_status(len(done)))
         return 0 if done and not failed else 1
 
 

@@ -7,7 +7,7 @@ from the one rules table, launchers.plan.rules), create child runs and tasks, su
 start. Status writes go through the one lifecycle (fp8rl_core.tracking.lifecycle).
 
 Why a named object passed around (not a base class): the loop (`loop.py`) and the cell sources
-(`sources.py`, `search.py`) each hold a session; none of them is one. This module imports none of them.
+(`cell_sources.py`, `search.py`) each hold a session; none of them is one. This module imports none of them.
 """
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from fp8rl_core.config import TrackingSpec
 from fp8rl_core.config.schema import to_dict
 from fp8rl_core.tracking import METRICS_FILE
 from fp8rl_core.tracking.lifecycle import Lifecycle
+from fp8rl_core.tracking.runs import cell_states, create_parent_run, ensure_experiment, find_or_create_cell_run
 from fp8rl_core.tracking.store import TrackingUnreachable, retry_locked, tracking_reachable
 from launchers.executors import Executor, Executors, JobHandle, Task, poll_by_kind
 from launchers.plan import rules
 from launchers.plan.cells import CELLS_SUBFOLDER, Cell, cell_run_config, cell_tags
-from launchers.run.context import driver_session, handle_of, job_config, public_config, settle, supersede_outputs
+from launchers.run.cell_facts import driver_session, handle_of, job_config, public_config, settle, supersede_outputs
 from launchers.run.jobs import CellJob, RunFn, warm_start_configs, warm_start_stage
 from launchers.run.state import Attempt, StageJob, SweepState, load_state, save_state
 from launchers.sweepfile.loading import Sweep
@@ -61,8 +62,6 @@ class SweepSession:
         return self.sweep.folder / CELLS_SUBFOLDER / cell_id
 
     def mlflow_states(self) -> dict[str, str]:
-        from fp8rl_core.tracking.runs import cell_states
-
         return retry_locked(cell_states, self.uri, self.name, self.name)
 
     def poll(self, handles: list[JobHandle]) -> dict[str, str]:
@@ -84,8 +83,6 @@ class SweepSession:
 
     # ---- 1) experiment and parent run -------------------------------------------------------------
     def setup(self, extra_params: dict[str, Any] | None = None) -> None:
-        from fp8rl_core.tracking.runs import create_parent_run, ensure_experiment
-
         if not tracking_reachable(self.uri):
             raise TrackingUnreachable(f"the tracking server {self.uri} does not answer (/health); start "
                                       f"it (`sweep server`) or check tracking.uri; nothing was submitted")
@@ -141,8 +138,6 @@ class SweepSession:
     def tasks_for(self, cells: list[Cell], extra_tags: dict[str, dict[str, str]] | None = None) -> list[Task]:
         """A SCHEDULED child run per cell (or its existing run) and the job that runs it;
         `extra_tags`: cell id -> more tags for a new run (e.g. the Optuna trial number)."""
-        from fp8rl_core.tracking.runs import find_or_create_cell_run
-
         tasks = []
         for cell in cells:
             rec = self.state.record(cell.id)

@@ -37,7 +37,7 @@ class Attempt:
     stderr: str | None = None  # the job's stderr log (its error tail is shown by `sweep status`)
     outcome: str | None = None  # None | finished | failed | cancelled | forgiven | lost
     error: str | None = None  # last lines of the log when it failed
-    driver: str | None = None  # the driver session that submitted it (launchers.run.context.driver_session)
+    driver: str | None = None  # the driver session that submitted it (launchers.run.cell_facts.driver_session)
 
 
 @dataclass

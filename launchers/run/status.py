@@ -15,12 +15,13 @@ import time
 from collections import Counter
 from typing import Any, TextIO
 
+from fp8rl_core.tracking.runs import cell_states
 from fp8rl_core.tracking.store import TrackingUnreachable, retry_locked, store_exists, tracking_reachable
 from launchers.executors import Executors, poll_by_kind
 from launchers.plan import rules
 from launchers.plan.cells import CELLS_SUBFOLDER, Cell
 from launchers.plan.render import StateProvider, default_state_provider, fmt
-from launchers.run.context import handle_of, settle
+from launchers.run.cell_facts import handle_of, settle
 from launchers.run.progress import cell_step, error_tail, eta_seconds, fmt_duration
 from launchers.run.state import CellRecord, SweepState, is_locked, load_state
 from launchers.sweepfile.loading import Sweep
@@ -37,8 +38,6 @@ def mlflow_states(sweep: Sweep) -> dict[str, str]:
     if not tracking_reachable(uri):
         raise TrackingUnreachable(f"the tracking server {uri} does not answer (/health); "
                                   f"start it (`sweep server`) or check tracking.uri")
-    from fp8rl_core.tracking.runs import cell_states
-
     return retry_locked(cell_states, uri, sweep.experiment, sweep.experiment)
 
 

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from analysis.config import AnalysisConfig
 from fp8rl_core.config.schema import ConfigError, fail
 from fp8rl_core.tracking import CONTRACT_METRICS, M_VAL_ACC
 
@@ -312,8 +313,6 @@ class SweepSpec:
             fail("seeds", f"seed is also varied in {varied[0]}; vary it in one place", "seeds: N, or grid.seed")
 
     def _validate_analysis(self) -> None:
-        from analysis.config import AnalysisConfig
-
         try:
             AnalysisConfig.from_dict(self.analysis)
         except ValueError as e:  # "analysis.<key>: <problem>"

@@ -28,7 +28,7 @@ from analysis.engines import (
     main,
 )
 from analysis.fetch import RunHistory
-from analysis.kernels import KERNELS_PARAM, MATCHED
+from analysis.kernel_match import KERNELS_PARAM, MATCHED
 from analysis.links import ARTIFACT_DIR
 from analysis.report import make_report
 from analysis.synthetic import log_sweep

@@ -18,7 +18,7 @@ from analysis.episodes import (
     step_ranges,
 )
 from analysis.fetch import RunHistory
-from analysis.kernels import KERNELS_PARAM, MATCHED
+from analysis.kernel_match import KERNELS_PARAM, MATCHED
 from fp8rl_core.tracking import M_MISMATCH, M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 
 # --- the band ----------------------------------------------------------------------------------------

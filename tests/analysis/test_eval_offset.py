@@ -7,7 +7,7 @@ from scipy import stats
 
 from analysis.eval_offset import offset_markdown, offset_rows, step0_offset
 from analysis.fetch import RunHistory
-from analysis.kernels import only_kernels
+from analysis.kernel_match import only_kernels
 from analysis.synthetic import EVAL_OFFSET, synthetic_runs
 
 

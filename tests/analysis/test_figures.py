@@ -140,7 +140,7 @@ def _matched_lines(ax) -> dict[str, matplotlib.lines.Line2D]:
 
 def test_figure1_draws_matched_kernels_dashed_and_their_exact_floor(with_floor):
     from analysis.figures import EXACT_LABEL, axis_floor, matched_style
-    from analysis.kernels import KERNELS, MATCHED, only_kernels
+    from analysis.kernel_match import KERNELS, MATCHED, only_kernels
 
     fig = mismatch_figure(with_floor)
     ax = fig.axes[0]
@@ -185,7 +185,7 @@ def test_figure1_without_exact_values_keeps_its_axis(data):
 
 
 def test_figure2_plots_the_deciding_metric_of_distinct_runs(with_floor):
-    from analysis.kernels import only_kernels
+    from analysis.kernel_match import only_kernels
 
     ax = accuracy_figure(with_floor, metric="val_accuracy_bf16_eval").axes[0]
     lines = ax.get_lines()

@@ -8,7 +8,7 @@ from analysis.claims import check_claims
 from analysis.config import AnalysisConfig
 from analysis.fetch import RunHistory, SweepData
 from analysis.floor import floor_markdown, floor_rows
-from analysis.kernels import DISTINCT, KERNELS_PARAM, MATCHED, kernels_of, only_kernels
+from analysis.kernel_match import DISTINCT, KERNELS_PARAM, MATCHED, kernels_of, only_kernels
 from analysis.summaries import summarize_all
 from analysis.synthetic import synthetic_runs
 

@@ -17,7 +17,7 @@ from scipy import stats
 
 from analysis.config import AnalysisConfig
 from analysis.fetch import RunHistory
-from analysis.kernels import KERNELS_PARAM, MATCHED
+from analysis.kernel_match import KERNELS_PARAM, MATCHED
 from analysis.links import ARTIFACT_DIR
 from analysis.numerics import FIG3, MISMATCH_LOG, NumericsReport, analyze, main, make_numerics_report
 from analysis.numerics_arms import (

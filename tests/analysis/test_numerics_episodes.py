@@ -21,7 +21,7 @@ from test_numerics import ARMS, BASE_ACC, BASE_EXCESS, BASE_KL, _run, numerics_r
 from analysis.config import AnalysisConfig
 from analysis.episodes import RATE_LEVEL, detect_all
 from analysis.figures import EPISODE_LABEL
-from analysis.kernels import KERNELS_PARAM, MATCHED
+from analysis.kernel_match import KERNELS_PARAM, MATCHED
 from analysis.numerics import MISMATCH_LOG, NumericsReport, analyze, figure_metrics, numerics_figure, result_json
 from analysis.numerics_arms import DEFAULT_ARM, TOO_FEW, arm_label
 from analysis.report import make_report

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 from fp8rl_core.tracking.runs import ERROR_TAG
 from launchers.plan import rules
 from launchers.plan.grid import expand
-from launchers.run.context import job_config, supersede_outputs
+from launchers.run.cell_facts import job_config, supersede_outputs
 from launchers.run.driver import run_sweep
 from launchers.run.jobs import CellJob
 from launchers.run.state import Attempt, CellRecord, DriverLock, load_state
@@ -181,10 +181,10 @@ def test_a_failed_warm_start_job_is_reported(cwd):
 
 
 def test_local_warm_start_runs_before_any_cell(cwd, monkeypatch):
-    import launchers.run.session as context
+    import launchers.run.session as session_mod
 
     events = []
-    monkeypatch.setattr(context, "warm_start_stage", lambda configs: events.append(("warm", len(configs))))
+    monkeypatch.setattr(session_mod, "warm_start_stage", lambda configs: events.append(("warm", len(configs))))
     fake = FakeScheduler(kind="debug", delay=0)
     real_submit = fake.submit
     monkeypatch.setattr(fake, "submit", lambda tasks, dep=None: events.append(("submit", len(tasks))) or

@@ -18,7 +18,7 @@ from launchers.executors import FAILED
 from launchers.plan import rules
 from launchers.plan.cells import CELLS_SUBFOLDER
 from launchers.plan.render import action_for
-from launchers.run.context import driver_session, settle
+from launchers.run.cell_facts import driver_session, settle
 from launchers.run.driver import run_sweep
 from launchers.run.state import Attempt, CellRecord, load_state
 from launchers.run.status import plan_states

@@ -18,7 +18,7 @@ import torch
 from analysis.config import AnalysisConfig
 from analysis.episodes import detect_all
 from analysis.fetch import fetch_sweep
-from analysis.kernels import only_kernels
+from analysis.kernel_match import only_kernels
 from fp8rl_core.config.yaml_io import load_mapping_file
 from fp8rl_core.explain.replay import load_policy_weights
 from fp8rl_core.io.checkpoint import list_checkpoints

@@ -22,7 +22,7 @@ from scipy import stats
 from analysis.config import AnalysisConfig
 from analysis.episodes import arm_rates, detect_all
 from analysis.fetch import fetch_sweep
-from analysis.kernels import only_kernels
+from analysis.kernel_match import only_kernels
 from fp8rl_core.config.yaml_io import load_mapping_file
 from fp8rl_core.tracking import TAG_CPU_FLAGS, TAG_FP8_GEMM, TAG_IS, TAG_RECIPE, TAG_SEED
 

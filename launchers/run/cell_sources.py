@@ -21,6 +21,7 @@ from launchers.executors import JobHandle
 from launchers.plan import rules
 from launchers.plan.cells import Cell
 from launchers.run.session import SweepSession
+from launchers.run.sweep_report import finished_count, write_report
 
 
 class CellSource(Protocol):
@@ -43,24 +44,26 @@ class GridSource:
     """Every cell of the expanded grid, known at the start; `report`: write the report at the end."""
 
     def __init__(self, session: SweepSession, report: bool = True):
-        self.s, self.report = session, report
+        self.session, self.report = session, report
 
     def initial(self) -> list[Cell]:
-        return list(self.s.cells)
+        return list(self.session.cells)
 
     def more(self) -> list[Cell]:
         return []
 
     def admitted(self, actions: dict[str, str]) -> None:
         """One line for the whole plan, then each cell whose retries are used up."""
-        s = self.s
+        session = self.session
         counts = {a: sum(v == a for v in actions.values()) for a in sorted(set(actions.values()))}
-        s.say(f"sweep {s.name}: {len(s.cells)} cells: " + ", ".join(f"{n} {a}" for a, n in counts.items())
-              + f" ({s.sweep.launcher.kind}, folder {s.sweep.folder})")
+        session.say(f"sweep {session.name}: {len(session.cells)} cells: "
+                    + ", ".join(f"{n} {a}" for a, n in counts.items())
+                    + f" ({session.sweep.launcher.kind}, folder {session.sweep.folder})")
         for cid, action in actions.items():
             if action == rules.EXHAUSTED:
-                s.say(f"  cell {cid} {s.by_id[cid].label()}: failed {s.state.cells[cid].failures()} "
-                      f"time(s), not retried (sweep run FILE --retry-failed)")
+                failures = session.state.cells[cid].failures()
+                session.say(f"  cell {cid} {session.by_id[cid].label()}: failed {failures} time(s), "
+                            f"not retried (sweep run FILE --retry-failed)")
 
     def tags(self, cell: Cell) -> dict[str, str]:
         return {}
@@ -73,30 +76,26 @@ class GridSource:
 
     def finish(self) -> int:
         """Each unfinished cell's error, the report (when something changed), the parent run's end."""
-        s = self.s
-        mlflow = s.mlflow_states()
-        done = sum(mlflow.get(c.id) == FINISHED for c in s.cells)
-        for c in s.cells:
+        session = self.session
+        mlflow = session.mlflow_states()
+        done = finished_count(mlflow, [c.id for c in session.cells])
+        for c in session.cells:
             if mlflow.get(c.id) != FINISHED:
-                s.say(f"  FAILED {c.id} {c.label()}: {s.error_of(c.id) or mlflow.get(c.id) or 'not run'}")
-        fresh = s.changes or not (s.sweep.folder / "report" / "report.md").exists()
+                session.say(f"  FAILED {c.id} {c.label()}: {session.error_of(c.id) or mlflow.get(c.id) or 'not run'}")
+        fresh = session.changes or not (session.sweep.folder / "report" / "report.md").exists()
         if self.report and mlflow and fresh:  # nothing ran and a report exists: it is up to date
             self._report()
-        s.end_sweep(grid_parent_status(done, len(s.cells)))
-        s.say(f"sweep {s.name}: {done}/{len(s.cells)} cells finished")
-        return 0 if done == len(s.cells) else 1
+        session.end_sweep(grid_parent_status(done, len(session.cells)))
+        session.say(f"sweep {session.name}: {done}/{len(session.cells)} cells finished")
+        return 0 if done == len(session.cells) else 1
 
     def _report(self) -> None:
-        s = self.s
+        session = self.session
         try:
-            from analysis.config import AnalysisConfig
-            from analysis.report import make_report
-
-            paths = make_report(s.uri, s.name, s.name, s.sweep.folder / "report",
-                                parent_run_id=s.state.parent_run_id,
-                                config=AnalysisConfig.from_dict(s.sweep.spec.analysis),
-                                cell_ids=[c.id for c in s.cells])  # not cells of an earlier file
-            s.say(paths.verdicts_text)
-            s.say(f"report: {paths.report}")
+            paths = write_report(session.uri, session.name, session.name, session.sweep.folder / "report",
+                                 session.state.parent_run_id, session.sweep.spec.analysis,
+                                 [c.id for c in session.cells])  # not cells of an earlier file
+            session.say(paths.verdicts_text)
+            session.say(f"report: {paths.report}")
         except Exception as e:  # a report problem must not hide the cells' outcome
-            s.say(f"report: failed ({type(e).__name__}: {e}); retry with `sweep report {s.sweep.name}`")
+            session.say(f"report: failed ({type(e).__name__}: {e}); retry with `sweep report {session.sweep.name}`")
