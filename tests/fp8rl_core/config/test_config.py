@@ -185,3 +185,15 @@ def test_fp8_gemm_pin_enters_the_id_of_fp8_recipes_only_when_set():
     assert bf16() == bf16("fp8.gemm=emulated")
     with pytest.raises(ConfigError, match="fp8.gemm: 'te' is not allowed; valid: auto, emulated"):
         load_run_config(None, ["fp8.gemm=te"])
+
+
+def test_rollout_correction_keys_issue_34():
+    cfg = load_run_config(None, ["loss.importance_sampling=seq_mask", "loss.is_seq_low=0.5", "loss.is_seq_high=2"])
+    assert (cfg.loss.is_seq_low, cfg.loss.is_seq_high) == (0.5, 2.0)
+    assert load_run_config(None, ["loss.importance_sampling=dppo"]).loss.is_prob_high == 0.2
+    with pytest.raises(ConfigError, match="loss.is_seq_low: need is_seq_low <= is_seq_high"):
+        load_run_config(None, ["loss.is_seq_low=4"])
+    with pytest.raises(ConfigError, match="loss.rollout_kl_coef: not wired into the training engine yet"):
+        load_run_config(None, ["loss.rollout_kl_coef=0.001"])
+    with pytest.raises(ConfigError, match="loss.is_prob_low"):
+        load_run_config(None, ["loss.is_prob_low=-0.1"])
