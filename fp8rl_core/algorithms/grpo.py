@@ -9,8 +9,10 @@ import torch
 
 from fp8rl_core.algorithms.importance import (  # re-exported: fp8rl_core.algorithms.grpo is the public home
     IS_VARIANTS,
+    NEEDS_ADVANTAGES,
     ISWeights,
     compute_importance,
+    importance_from_config,
     importance_stats,
     importance_weights,
     importance_weights_with_stats,
@@ -19,9 +21,9 @@ from fp8rl_core.algorithms.importance import (  # re-exported: fp8rl_core.algori
 from fp8rl_core.algorithms.metrics import k2_terms
 from fp8rl_core.tracking import M_LOSS
 
-__all__ = ["ADV_EPS", "IS_VARIANTS", "ISWeights", "compute_importance", "group_advantages", "importance_stats",
-           "importance_weights", "importance_weights_with_stats", "k3_kl", "masked_mean", "policy_loss",
-           "register_is_variant", "rollout_kl"]
+__all__ = ["ADV_EPS", "IS_VARIANTS", "ISWeights", "NEEDS_ADVANTAGES", "compute_importance", "group_advantages",
+           "importance_from_config", "importance_stats", "importance_weights", "importance_weights_with_stats", "k3_kl",
+           "masked_mean", "policy_loss", "register_is_variant", "rollout_kl"]
 
 ADV_EPS = 1e-6
 # A leave-one-out std at or below this fraction of the group's reward scale is float64 rounding noise

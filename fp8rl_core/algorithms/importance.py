@@ -8,17 +8,17 @@ under the same weights as `train_t`. Their difference is the mismatch the FP8 re
 
 Variants, chosen by name through a registry (an unknown name lists the supported ones):
 
-| name       | weight on a valid token                                   | reference                      |
-| ---------- | --------------------------------------------------------- | ------------------------------ |
-| `none`     | 1                                                         | plain GRPO                     |
-| `token`    | w_t                                                       | NeMo RL                        |
-| `tis`      | min(w_t, cap)                                             | truncated IS (verl, TRL)       |
-| `icepop`   | w_t if low <= w_t <= high else 0                          | IcePop (masked IS)             |
-| `sequence` | exp(mean_{t valid in seq} (train_t - gen_t)), every token | geometric mean (GSPO-style)    |
+| name       | weight on a valid token                                    | reference                      |
+| ---------- | ---------------------------------------------------------- | ------------------------------ |
+| `none`     | 1                                                          | plain GRPO                     |
+| `token`    | w_t                                                        | NeMo RL                        |
+| `tis`      | min(w_t, cap)                                              | truncated IS (verl, TRL)       |
+| `icepop`   | w_t if low <= w_t <= high else 0                           | IcePop (masked IS)             |
+| `sequence` | exp(mean_{t valid in seq} (train_t - gen_t)), every token  | geometric mean (GSPO-style)    |
 | `seq_mask` | s_b = exp(sum_{t valid in seq} (train_t - gen_t)) on every | TRL `sequence_mask` (MIS)      |
-|            | token of b if seq_low <= s_b <= seq_high, else 0          |                                |
-| `dppo`     | w_t, or 0 where p_t - q_t > prob_high (A_t > 0) /         | prime-rl default loss (DPPO    |
-|            | p_t - q_t < -prob_low (A_t <= 0); p = e^train, q = e^gen  | trust-region mask)             |
+|            | token of b if seq_low <= s_b <= seq_high, else 0           |                                |
+| `dppo`     | w_t, or 0 where p_t - q_t > prob_high (A_t > 0) /          | prime-rl default loss (DPPO    |
+|            | p_t - q_t < -prob_low (A_t <= 0); p = e^train, q = e^gen   | trust-region mask)             |
 
 Every weight is 0 where the mask is 0. Shapes: B sequences x T tokens. `dppo` reads the advantages
 (`compute_importance(..., advantages=[B] or [B, T])`); a variant in NEEDS_ADVANTAGES refuses to run
@@ -31,7 +31,7 @@ Peers' definitions:
   the geometric mean of `sequence`; a sequence whose ratio is outside [C_min, C_max] gets weight 0, a kept
   one its ratio. TRL's C_min=None (no lower bound) is seq_low = 0 here (a ratio is never below 0).
 - `dppo`: prime-rl src/prime_rl/trainer/rl/loss.py `default_loss_fn` (DPPO-Binary TV, thresholds
-  `dppo_mask_low` = `dppo_mask_high` = 0.2 in packages/prime-rl-configs/.../configs/trainer.py
+  `dppo_mask_low` = `dppo_mask_high` = 0.2 in packages/prime-rl-configs/src/prime_rl/configs/trainer.py
   `DefaultLossConfig`): probs_diff = exp(trainer) - exp(inference); a token with a positive advantage is
   masked when probs_diff > high, every other token (advantage <= 0: prime-rl's `torch.where(A > 0, ...)`)
   when probs_diff < -low. prime-rl's policy-gradient term keep_mask * A * exp(trainer - inference) carries
@@ -108,7 +108,8 @@ class ISWeights:
     raw:       Float[B, T] token-level w_t = exp(train_t - gen_t), non-finite -> 0 (the `token` variant)
     truncated: Bool[B, T]  valid tokens whose weight was capped (tis: w_t > cap)
     masked:    Bool[B, T]  valid tokens whose weight was zeroed (non-finite w_t; icepop: out of range;
-               sequence: a non-finite sequence weight)
+               sequence: a non-finite sequence weight; seq_mask: the sequence's ratio out of range or
+               non-finite; dppo: the probability-difference mask)
     mask:      Bool[B, T]  the valid tokens
     """
 

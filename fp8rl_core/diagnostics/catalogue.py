@@ -111,21 +111,23 @@ def jsd_terms(train: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
     return 0.5 * (torch.expm1(a) - a) + 0.5 * (torch.expm1(b) - b)
 
 
-def order_statistics(abs_d: torch.Tensor) -> tuple[float, float, float, int]:
-    """(median, p95, trimmed sum, trimmed count) of the n values abs_d Float[n] (one rank's |Δ|).
+def order_statistics(abs_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(median, p95, trimmed sum, trimmed count k) of the n values abs_d Float[n] (one rank's |Δ|); 0-d
+    tensors on abs_d's device (no host sync), k an int.
 
     sorted ascending v_0 ≤ … ≤ v_{n−1}: median = v_{(n−1)/2} (n odd) or (v_{n/2−1} + v_{n/2}) / 2 (n even,
     Python's statistics.median, as miles); p95 = v_{⌊0.95 n⌋} (miles' `sorted_diffs[int(num * 0.95)]`);
     trimmed = Σ_{i < k} v_i over the k = n − ⌊0.05 n⌋ smallest (the p95-trimmed mean is trimmed / k).
-    n = 0 gives (0, 0, 0, 0). NaN sorts last (as the largest), inf as itself.
+    n = 0 gives zeros and k = 0. NaN sorts last (as the largest), inf as itself.
     """
     n = abs_d.numel()
     if n == 0:
-        return 0.0, 0.0, 0.0, 0
+        zero = abs_d.new_zeros(())
+        return zero, zero, zero, 0
     v = torch.sort(abs_d).values
-    median = float(v[n // 2]) if n % 2 else float((v[n // 2 - 1] + v[n // 2]) / 2)
+    median = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
     k = n - math.floor(TRIM_FRACTION * n)
-    return median, float(v[min(int(n * 0.95), n - 1)]), float(v[:k].sum()), k
+    return median, v[min(int(n * 0.95), n - 1)], v[:k].sum(), k
 
 
 def _split_sums(d: torch.Tensor, abs_d: torch.Tensor, masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -200,22 +202,21 @@ def partial_sums(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask:
             sums[f"c_gt_{t:g}"] = (abs_d > t).sum().double()  # nan never counts: it fails every comparison
         sums["s_k2"] = k2_terms(d).sum()
         median, p95, trim_sum, trim_n = order_statistics(abs_d)
-        sums.update({"s_median_w": torch.tensor(median * d.numel(), dtype=torch.float64),
-                     "s_p95_w": torch.tensor(p95 * d.numel(), dtype=torch.float64),
-                     "s_trim": torch.tensor(trim_sum, dtype=torch.float64),
-                     "n_trim": torch.tensor(float(trim_n), dtype=torch.float64)})
+        sums.update({"s_median_w": median * d.numel(), "s_p95_w": p95 * d.numel(), "s_trim": trim_sum,
+                     "n_trim": torch.tensor(float(trim_n), dtype=torch.float64, device=t2.device)})
         kept = w != 0
         splits = {"is_masked": ~kept, "is_kept": kept}
         if advantages is not None:
-            a = advantages.detach().double()
+            a = advantages.detach().to(t2.device, torch.float64)
             a = (a.unsqueeze(-1).expand(mask.shape) if a.dim() == 1 else a)[m]
             splits.update(adv_pos=a > 0, adv_neg=a < 0)
-        sums["n_adv"] = torch.tensor(float(d.numel() if advantages is not None else 0), dtype=torch.float64)
+        sums["n_adv"] = torch.tensor(float(d.numel() if advantages is not None else 0), dtype=torch.float64,
+                                     device=t2.device)
         sums.update(_split_sums(d, abs_d, splits))
         for name in ("adv_pos", "adv_neg"):  # without advantages: the keys are there (ranks stack alike), 0
             for key in (f"n_{name}", f"s_exp_abs_{name}", f"s_abs_{name}", f"s_k3_{name}"):
-                sums.setdefault(key, torch.zeros((), dtype=torch.float64))
-    return {k: v.to(device=t2.device, dtype=torch.float64) for k, v in sums.items()}
+                sums.setdefault(key, torch.zeros((), dtype=torch.float64, device=t2.device))
+    return {k: v.to(torch.float64) for k, v in sums.items()}
 
 
 def all_reduce_sums(sums: dict[str, torch.Tensor], group=None) -> dict[str, torch.Tensor]:
