@@ -16,7 +16,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.diagnostics.catalogue import M_ABS_DIFF_MAX, M_GEN_KL
+from fp8rl_core.diagnostics.catalogue import (
+    M_ABS_DIFF_MAX,
+    M_ABS_DIFF_MEDIAN,
+    M_ABS_DIFF_P95,
+    M_ABS_DIFF_TRIMMED,
+    M_FRACTION,
+    M_GEN_KL,
+    M_K2_KL,
+    M_SPLIT,
+)
 from fp8rl_core.explain import replay
 from fp8rl_core.explain.attribution import VariantResult
 from fp8rl_core.explain.replay import VARIANTS, explain, load_rollout, worst_recorded
@@ -27,6 +36,11 @@ from fp8rl_core.tracking.store import Store
 # The report and CLI of the attribution replay; the replay itself (rollout and weights loading, the
 # variants, the comparison, the worst tokens) is fp8rl_core/explain/replay.py, which returns data.
 SUMMARY_KEYS = (M_MISMATCH, M_GEN_KL, M_ABS_DIFF_MAX, M_FRAC_GT_1)
+# the peers' other views of the same tokens (issue 34): one row per metric, one column per variant; shown
+# when a result has any of them (results.json keeps every catalogue metric)
+VIEW_KEYS = (M_ABS_DIFF_MEDIAN, M_ABS_DIFF_P95, M_ABS_DIFF_TRIMMED, M_K2_KL,
+             *(M_SPLIT[s]["mult"] for s in ("adv_pos", "adv_neg", "is_masked", "is_kept")),
+             M_FRACTION["is_masked"])
 
 
 def _fmt(x: float) -> str:
@@ -46,6 +60,11 @@ def markdown(step: int, results: list[VariantResult], worst: list[dict[str, Any]
         lines.append(f"| {v.name} | " + " | ".join(_fmt(v.metrics.get(k, math.nan)) for k in SUMMARY_KEYS)
                      + f" | {layer(v.first_divergent_layer) if v.layer_rel_err else '—'}"
                      f" | {layer(v.largest_jump_layer) if v.layer_rel_err else '—'} |")
+    if any(k in v.metrics for v in results for k in VIEW_KEYS):
+        lines += ["", "Other views of the mismatch (median, p95, trimmed mean of |Δ log p|; k2 KL; splits by "
+                  "advantage sign and IS mask):", "",
+                  "| metric | " + " | ".join(v.name for v in results) + " |", "|---" * (len(results) + 1) + "|"]
+        lines += [f"| {k} | " + " | ".join(_fmt(v.metrics.get(k, math.nan)) for v in results) + " |" for k in VIEW_KEYS]
     layered = [v for v in results if v.layer_rel_err]
     if layered:
         lines += ["", "Relative hidden-state error ||h_A − h_B|| / ||h_A|| after each decoder layer:", "",

@@ -28,6 +28,14 @@ def mult_prob_error_terms(abs_d: torch.Tensor) -> torch.Tensor:
     return torch.exp(abs_d)
 
 
+def k2_terms(d: torch.Tensor) -> torch.Tensor:
+    """½ d² per token, d = log π_train − log π_gen: the k2 estimate of the KL between the two engines'
+    policies (Schulman 2020), prime-rl's squared log-ratio "KL to the rollout policy" (its loss adds
+    kl_tau · d², i.e. 2·kl_tau times this; src/prime_rl/trainer/rl/loss.py `default_loss_fn`). The one
+    place the formula lives: the loss term (grpo.rollout_kl) and the catalogue's rollout_k2_kl use it."""
+    return 0.5 * d * d
+
+
 def token_mult_prob_error_sum(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor,
                               mask: torch.Tensor) -> tuple[float, int]:
     """(sum_i exp(|train_i - gen_i|), n) over the n valid tokens, in float64: what ranks all-reduce

@@ -33,7 +33,7 @@ from fp8rl_core.config.schema import (
 )
 from fp8rl_core.config.yaml_io import load_mapping_file, load_value
 
-ISVariant = Literal["none", "token", "tis", "icepop", "sequence"]
+ISVariant = Literal["none", "token", "tis", "icepop", "sequence", "seq_mask", "dppo"]
 
 
 @dataclass
@@ -203,15 +203,38 @@ class LossSpec:
     is_cap: float = 2.0  # tis: w <- min(w, cap)
     is_low: float = 0.5  # icepop: keep tokens with low <= w <= high
     is_high: float = 5.0  # icepop: see is_low
+    is_seq_low: float = 0.0  # seq_mask: keep sequences whose ratio prod_t w_t is in [is_seq_low, is_seq_high]
+    is_seq_high: float = 3.0  # seq_mask: see is_seq_low (TRL's default cap, 3.0)
+    is_prob_low: float = 0.2  # dppo: mask a token with advantage <= 0 where p_train - p_gen < -is_prob_low
+    is_prob_high: float = 0.2  # dppo: mask a token with advantage > 0 where p_train - p_gen > is_prob_high
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.2  # see clip_low
     kl_coef: float = 0.0  # k3 KL to the reference (warm-start) policy
     kl_clamp: float = 10.0  # clamp of the per-token log-ratio inside k3
+    rollout_kl_coef: float = 0.0  # 0.5 (logp - logp_gen)^2 KL to the rollout policy (prime-rl); 0: off (only 0 yet)
 
     def validate(self) -> None:
         check_ranges(self, RANGES, "loss")
         if self.is_low > self.is_high:
             fail("is_low", f"need is_low <= is_high, got {self.is_low} > {self.is_high}")
+        if self.is_seq_low > self.is_seq_high:
+            fail("is_seq_low", f"need is_seq_low <= is_seq_high, got {self.is_seq_low} > {self.is_seq_high}")
+        self._check_wired()
+
+    def _check_wired(self) -> None:
+        """Issue 34's knobs that the run loop / training engine do not read yet: refused, not ignored. Delete
+        a check when its caller is wired (loop/step.py: importance_from_config(cfg.loss, ..., advantages=...);
+        engines/native_train.py: policy_loss(..., gen_logprobs=..., rollout_kl_coef=...))."""
+        if self.importance_sampling == "dppo":
+            fail("importance_sampling", "'dppo' needs the advantages, which the run loop does not pass yet "
+                 "(fp8rl_core/loop/step.py must call importance_from_config(cfg.loss, ..., advantages=...))")
+        for key, default in (("is_seq_low", 0.0), ("is_seq_high", 3.0), ("is_prob_low", 0.2), ("is_prob_high", 0.2)):
+            if getattr(self, key) != default:
+                fail(key, "not read by the run loop yet (fp8rl_core/loop/step.py passes is_cap, is_low and "
+                     "is_high only, until it calls importance_from_config)", f"{default} (the default)")
+        if self.rollout_kl_coef:  # grpo.policy_loss has the term; the training engine does not pass it yet
+            fail("rollout_kl_coef", "not wired into the training engine yet (engines/native_train.py must pass "
+                 "gen_logprobs and rollout_kl_coef to grpo.policy_loss)", "0 (off)")
 
 
 @dataclass
@@ -531,6 +554,12 @@ KEYS: tuple[KeySpec, ...] = (
     KeySpec("loss.is_cap", above(0)), KeySpec("loss.is_low", at_least(0)), KeySpec("loss.is_high", at_least(0)),
     KeySpec("loss.clip_low", between(0, 1)), KeySpec("loss.clip_high", at_least(0)),
     KeySpec("loss.kl_coef", at_least(0)), KeySpec("loss.kl_clamp", above(0)),
+    # the rollout corrections of issue 34 (item 4): ids of the cells before them unchanged
+    KeySpec("loss.is_seq_low", at_least(0), default=0.0, hashed="when_set"),
+    KeySpec("loss.is_seq_high", at_least(0), default=3.0, hashed="when_set"),
+    KeySpec("loss.is_prob_low", at_least(0), default=0.2, hashed="when_set"),
+    KeySpec("loss.is_prob_high", at_least(0), default=0.2, hashed="when_set"),
+    KeySpec("loss.rollout_kl_coef", at_least(0), default=0.0, hashed="when_set"),
     KeySpec("optim.lr", above(0)), KeySpec("optim.weight_decay", at_least(0)),
     KeySpec("optim.betas", Range(0, 1, open_high=True)), KeySpec("optim.eps", above(0)),
     KeySpec("optim.grad_clip", Range()),  # <= 0: off

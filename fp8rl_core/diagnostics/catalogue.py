@@ -13,6 +13,12 @@ tokens: mean_b(x) = (1/n_b) Σ_t x_t. Token means are global token-weighted mean
 Data parallel: `partial_sums` returns sums, counts and maxima that a caller all-reduces (SUM for every
 key, MAX for keys starting with "max_"), `finalize` turns them into the metrics; `all_reduce_sums`
 does it with torch.distributed's default group, `reduce_with(mesh)` over a data-parallel Mesh.
+Every metric is exact across ranks except the order statistics (ORDER_METRICS: median, p95 and
+p95-trimmed mean of |Δ|), which are not sums: each rank computes its own exactly and the ranks'
+values are combined through the same SUM (token-weighted mean of the per-rank median and p95; the
+trimmed mean pools each rank's own trimmed tokens). With one rank (or `reduce=None`) they are exact;
+with several they are that documented approximation (exact when every rank's |Δ| has the same
+distribution, close when each rank holds many tokens), never a gathered global sort.
 Everything is float64: exp(10 nats) sums over 10^6 tokens stay exact enough, and the cost is a few
 elementwise ops on the n valid values (benchmarks/diagnostics.py).
 """
@@ -23,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from fp8rl_core.algorithms.metrics import mult_prob_error_terms  # the one formula of the metric
+from fp8rl_core.algorithms.metrics import k2_terms, mult_prob_error_terms  # the one formula of each metric
 from fp8rl_core.tracking import M_MISMATCH, TAIL_FRACTIONS
 
 # --- metric names (MLflow keys; a later refactor moves them into fp8rl_core/tracking) -----------------
@@ -52,12 +58,29 @@ M_ABS_DIFF_MAX = "logprob_abs_diff_max"  # TRL: sampling/sampling_logp_differenc
 TAIL_THRESHOLDS = (0.1, 1.0, 10.0)  # nats; the statistics issue's tail fractions
 M_FRAC_GT = dict(zip(TAIL_THRESHOLDS, TAIL_FRACTIONS, strict=True))  # the MLflow contract's ..._gt_0.1, _gt_1, _gt_10
 M_NUM_VALID = "num_valid_tokens"  # n (the denominator of every token mean above)
+M_K2_KL = "rollout_k2_kl"  # prime-rl: kl_loss = (log ratio)² (its loss term), here ½ d² (the k2 estimator)
+# miles (utils/debug_utils/run_megatron/logprob_comparator.py): median_abs_diff, p95_abs_diff; the trimmed
+# mean is ours (miles reports none): the mean of |Δ| without the top 5% (scipy.stats.trim1, tail "right")
+M_ABS_DIFF_MEDIAN = "logprob_abs_diff_median"
+M_ABS_DIFF_P95 = "logprob_abs_diff_p95"
+M_ABS_DIFF_TRIMMED = "logprob_abs_diff_trimmed_mean_p95"
+ORDER_METRICS = (M_ABS_DIFF_MEDIAN, M_ABS_DIFF_P95, M_ABS_DIFF_TRIMMED)  # per-rank exact (module docstring)
+TRIM_FRACTION = 0.05  # the trimmed mean drops the floor(0.05 n) largest |Δ|
+# Splits (prime-rl's masked_/unmasked_mismatch_kl and masked_advantage_positive/negative): the valid tokens
+# with a positive / negative advantage (zero-advantage tokens are in neither), and those whose IS weight is
+# 0 (masked by the correction: icepop, seq_mask, dppo, a non-finite ratio) / not 0 (kept).
+SPLITS = ("adv_pos", "adv_neg", "is_masked", "is_kept")
+M_SPLIT = {s: {"mult": f"{M_TOKEN_MULT_PROB_ERROR}_{s}", "abs": f"{M_ABS_DIFF_MEAN}_{s}",
+               "k3": f"{M_GEN_KL}_{s}"} for s in SPLITS}  # prime-rl's mismatch_kl is the k3 of gen_kl_error
+M_FRACTION = {s: f"token_fraction_{s}" for s in ("adv_pos", "adv_neg", "is_masked")}  # of the valid tokens
+SPLIT_METRICS = (*(name for s in SPLITS for name in M_SPLIT[s].values()), *M_FRACTION.values())
 
 CATALOGUE_METRICS = (
     M_TOKEN_MULT_PROB_ERROR, M_GEN_KL, M_POLICY_KL, M_JSD, M_K1_KL, M_K3_KL, M_CHI2_TOKEN, M_CHI2_SEQ,
     M_TRAINING_PPL, M_ROLLOUT_PPL, M_LOG_PPL_DIFF, M_LOG_PPL_ABS_DIFF, M_LOG_PPL_DIFF_MAX, M_LOG_PPL_DIFF_MIN,
     M_PPL_RATIO, M_ESS, M_PROBS_DIFF_MEAN, M_PROBS_DIFF_MAX, M_PROBS_DIFF_STD, M_PROBS_PEARSON,
     M_ABS_DIFF_MEAN, M_ABS_DIFF_MAX, *M_FRAC_GT.values(), M_NUM_VALID,
+    M_K2_KL, *ORDER_METRICS, *SPLIT_METRICS,
 )
 TAIL_METRICS = (*M_FRAC_GT.values(), M_ABS_DIFF_MAX, M_ABS_DIFF_MEAN)  # read by analysis/ (statistics issue)
 
@@ -88,6 +111,36 @@ def jsd_terms(train: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
     return 0.5 * (torch.expm1(a) - a) + 0.5 * (torch.expm1(b) - b)
 
 
+def order_statistics(abs_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(median, p95, trimmed sum, trimmed count k) of the n values abs_d Float[n] (one rank's |Δ|); 0-d
+    tensors on abs_d's device (no host sync), k an int.
+
+    sorted ascending v_0 ≤ … ≤ v_{n−1}: median = v_{(n−1)/2} (n odd) or (v_{n/2−1} + v_{n/2}) / 2 (n even,
+    Python's statistics.median, as miles); p95 = v_{⌊0.95 n⌋} (miles' `sorted_diffs[int(num * 0.95)]`);
+    trimmed = Σ_{i < k} v_i over the k = n − ⌊0.05 n⌋ smallest (the p95-trimmed mean is trimmed / k).
+    n = 0 gives zeros and k = 0. NaN sorts last (as the largest), inf as itself.
+    """
+    n = abs_d.numel()
+    if n == 0:
+        zero = abs_d.new_zeros(())
+        return zero, zero, zero, 0
+    v = torch.sort(abs_d).values
+    median = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+    k = n - math.floor(TRIM_FRACTION * n)
+    return median, v[min(int(n * 0.95), n - 1)], v[:k].sum(), k
+
+
+def _split_sums(d: torch.Tensor, abs_d: torch.Tensor, masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """n, Σ exp(|d|), Σ |d|, Σ k3(d) of each split's tokens (masks: Bool[n] over the valid tokens)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, sel in masks.items():
+        out[f"n_{name}"] = sel.sum().double()
+        out[f"s_exp_abs_{name}"] = mult_prob_error_terms(abs_d[sel]).sum()
+        out[f"s_abs_{name}"] = abs_d[sel].sum()
+        out[f"s_k3_{name}"] = k3_terms(d[sel]).sum()
+    return out
+
+
 # --- the one pass ------------------------------------------------------------------------------------
 def _check(train: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, w: torch.Tensor | None) -> None:
     shapes = {tuple(t.shape) for t in (train, gen, mask) + ((w,) if w is not None else ())}
@@ -98,15 +151,20 @@ def _check(train: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, w: torch.
 
 
 def partial_sums(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask: torch.Tensor,
-                 is_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 is_weights: torch.Tensor | None = None,
+                 advantages: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Sums, counts and maxima of one rank's tokens, from which `finalize` computes every metric.
 
     train_logprobs, gen_logprobs: Float[B, T]; mask: Bool[B, T] (valid response tokens); is_weights:
-    Float[B, T] (None: all 1). Returns 0-d float64 tensors: add them across ranks, except the "max_*"
-    keys (take the max). Sequences are never split across ranks (GRPO groups stay together), so the
-    per-sequence terms are complete on each rank.
+    Float[B, T] (None: all 1); advantages: Float[B] or Float[B, T] (None: the adv_* splits are nan).
+    Returns 0-d float64 tensors: add them across ranks, except the "max_*" keys (take the max). Sequences
+    are never split across ranks (GRPO groups stay together), so the per-sequence terms are complete on
+    each rank. The order statistics enter as per-rank values times the rank's n (module docstring).
     """
     _check(train_logprobs, gen_logprobs, mask, is_weights)
+    if advantages is not None and advantages.shape not in (mask.shape, mask.shape[:1]):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [B] or [B, T] with "
+                         f"[B, T] = {tuple(mask.shape)}")
     with torch.no_grad():
         m = mask.bool()
         t2, g2 = train_logprobs.detach().double(), gen_logprobs.detach().double()
@@ -142,6 +200,22 @@ def partial_sums(train_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, mask:
         }
         for t in TAIL_THRESHOLDS:
             sums[f"c_gt_{t:g}"] = (abs_d > t).sum().double()  # nan never counts: it fails every comparison
+        sums["s_k2"] = k2_terms(d).sum()
+        median, p95, trim_sum, trim_n = order_statistics(abs_d)
+        sums.update({"s_median_w": median * d.numel(), "s_p95_w": p95 * d.numel(), "s_trim": trim_sum,
+                     "n_trim": torch.tensor(float(trim_n), dtype=torch.float64, device=t2.device)})
+        kept = w != 0
+        splits = {"is_masked": ~kept, "is_kept": kept}
+        if advantages is not None:
+            a = advantages.detach().to(t2.device, torch.float64)
+            a = (a.unsqueeze(-1).expand(mask.shape) if a.dim() == 1 else a)[m]
+            splits.update(adv_pos=a > 0, adv_neg=a < 0)
+        sums["n_adv"] = torch.tensor(float(d.numel() if advantages is not None else 0), dtype=torch.float64,
+                                     device=t2.device)
+        sums.update(_split_sums(d, abs_d, splits))
+        for name in ("adv_pos", "adv_neg"):  # without advantages: the keys are there (ranks stack alike), 0
+            for key in (f"n_{name}", f"s_exp_abs_{name}", f"s_abs_{name}", f"s_k3_{name}"):
+                sums.setdefault(key, torch.zeros((), dtype=torch.float64, device=t2.device))
     return {k: v.to(torch.float64) for k, v in sums.items()}
 
 
@@ -197,6 +271,10 @@ def finalize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
       rollout_corr_chi2_seq = (1/S) Σ_b exp(2 clamp(Σ_t d, ±20)) − 1; rollout_corr_training_ppl =
       (1/S) Σ_b exp(−mean_b(train)), rollout_ppl likewise of gen; log_ppl_diff_b = mean_b(gen) −
       mean_b(train), reported as mean, mean |.|, max, min; rollout_corr_ppl_ratio = (1/S) Σ_b exp(log_ppl_diff_b).
+    Added (issue 34): rollout_k2_kl = Σ ½ d²/n; logprob_abs_diff_{median, p95, trimmed_mean_p95} (order
+    statistics, order_statistics; per rank across ranks); per split X of SPLITS, over its n_X tokens:
+    token_mult_prob_error_X = Σ_X exp(|d|)/n_X, logprob_abs_diff_mean_X = Σ_X |d|/n_X, gen_kl_error_X =
+    Σ_X (eᵈ − d − 1)/n_X (nan when n_X = 0); token_fraction_X = n_X / n (adv_*: nan without advantages).
     """
     f = {k: float(v) for k, v in sums.items()}
     n, s = f["n_tok"], f["n_seq"]
@@ -232,17 +310,31 @@ def finalize(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         M_ABS_DIFF_MAX: f["max_abs"] if n else math.nan,
         **{M_FRAC_GT[t]: mean(f"c_gt_{t:g}") for t in TAIL_THRESHOLDS},
         M_NUM_VALID: n,
+        M_K2_KL: mean("s_k2"),
+        M_ABS_DIFF_MEDIAN: mean("s_median_w"),
+        M_ABS_DIFF_P95: mean("s_p95_w"),
+        M_ABS_DIFF_TRIMMED: _div(f["s_trim"], f["n_trim"]),
     }
+    for name in SPLITS:
+        k = M_SPLIT[name]
+        out[k["mult"]] = _div(f[f"s_exp_abs_{name}"], f[f"n_{name}"])
+        out[k["abs"]] = _div(f[f"s_abs_{name}"], f[f"n_{name}"])
+        out[k["k3"]] = _div(f[f"s_k3_{name}"], f[f"n_{name}"])
+    out[M_FRACTION["adv_pos"]] = _div(f["n_adv_pos"], f["n_adv"])
+    out[M_FRACTION["adv_neg"]] = _div(f["n_adv_neg"], f["n_adv"])
+    out[M_FRACTION["is_masked"]] = mean("n_is_masked")
     return out
 
 
 def step_diagnostics(train_lp: torch.Tensor, gen_lp: torch.Tensor, mask: torch.Tensor,
-                     is_weights: torch.Tensor | None = None, reduce: Reduce | None = None) -> dict[str, float]:
+                     is_weights: torch.Tensor | None = None, reduce: Reduce | None = None,
+                     advantages: torch.Tensor | None = None) -> dict[str, float]:
     """Every catalogue metric of one step: finalize(reduce(partial_sums(...))).
 
     train_lp, gen_lp: Float[B, T] (training engine's old log-probs, generation engine's); mask: Bool[B, T];
-    is_weights: Float[B, T] or None. reduce: e.g. `all_reduce_sums` under data parallelism, so that the
-    metrics are global and token-weighted (None: this process's tokens are the whole batch).
+    is_weights: Float[B, T] or None; advantages: Float[B] or Float[B, T] or None (the adv_* splits: nan).
+    reduce: e.g. `all_reduce_sums` under data parallelism, so that the metrics are global and token-weighted
+    (None: this process's tokens are the whole batch).
     """
-    sums = partial_sums(train_lp, gen_lp, mask, is_weights)
+    sums = partial_sums(train_lp, gen_lp, mask, is_weights, advantages)
     return finalize(reduce(sums) if reduce is not None else sums)

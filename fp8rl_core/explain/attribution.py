@@ -186,11 +186,14 @@ def rows_of(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[torch
 
 
 def compare(a: Scorer, b: Scorer, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-            response_mask: torch.Tensor, name: str = "", description: str = "") -> VariantResult:
+            response_mask: torch.Tensor, name: str = "", description: str = "",
+            advantages: torch.Tensor | None = None) -> VariantResult:
     """Score every row of a right-padded batch (input_ids Long[B, T], masks Bool[B, T]) with both
     sides; side a plays the trainer (its log-probs are `train`), side b the generator (`gen`).
 
-    metrics: the catalogue (step_diagnostics) over the response tokens, IS weights w = exp(a − b);
+    metrics: the catalogue (step_diagnostics) over the response tokens, IS weights w = exp(a − b) (a
+    non-finite one 0: the catalogue's is_masked split), advantages Float[B] or Float[B, T] (the rollout's,
+    when it saved them; None: the adv_pos / adv_neg splits are nan);
     layer_rel_err[l] = sqrt(Σ_rows ||h_a − h_b||²) / sqrt(Σ_rows ||h_a||²) over every real token.
     """
     B, T = input_ids.shape
@@ -214,6 +217,6 @@ def compare(a: Scorer, b: Scorer, input_ids: torch.Tensor, attention_mask: torch
             den[i] += float((x64 ** 2).sum())
     mask = response_mask.bool()
     w = torch.nan_to_num(torch.exp(lp_a.double() - lp_b.double()), nan=0.0, posinf=0.0, neginf=0.0)
-    metrics = step_diagnostics(lp_a, lp_b, mask, torch.where(mask, w, torch.zeros_like(w)))
+    metrics = step_diagnostics(lp_a, lp_b, mask, torch.where(mask, w, torch.zeros_like(w)), advantages=advantages)
     errs = [math.sqrt(n) / math.sqrt(d) if d > 0 else math.nan for n, d in zip(num, den)] if measured else []
     return VariantResult(name or f"{a.name} vs {b.name}", description, metrics, errs)

@@ -156,11 +156,15 @@ def explain(run_dir: Path, step: int | None = None, variants: list[str] | None =
     weights = generating_weights(run_dir, cfg, model_config, int(r["weights_step"]))
     n = r["input_ids"].shape[0] if rows is None else min(rows, r["input_ids"].shape[0])
     ids, am, rm = r["input_ids"][:n], r["attention_mask"][:n], r["response_mask"][:n]
+    # the advantages, where the rollout saved them (the catalogue's adv_pos / adv_neg splits; else nan)
+    adv = None if r.get("advantages") is None else r["advantages"][:n]
     results = [VariantResult("recorded", "what the run logged for this batch (generation decode path with KV cache)",
                              step_diagnostics(r["old_logprobs"][:n], r["gen_logprobs"][:n], rm,
-                                              None if r.get("is_weights") is None else r["is_weights"][:n]))]
+                                              None if r.get("is_weights") is None else r["is_weights"][:n],
+                                              advantages=adv))]
     for name, a, b in build_variants(variants or list(VARIANTS), weights, cfg, model_config):
-        results.append(compare(a, b, ids, am, rm, name=name, description=f"{VARIANTS[name]} [{a.name} vs {b.name}]"))
+        results.append(compare(a, b, ids, am, rm, name=name, description=f"{VARIANTS[name]} [{a.name} vs {b.name}]",
+                               advantages=adv))
     return step, results
 
 

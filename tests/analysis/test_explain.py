@@ -127,3 +127,16 @@ def test_tiny_run_logs_worst_tokens_and_explain_report_to_mlflow(tmp_path, capsy
     assert len(results["kernels"]["layer_rel_err"]) == 4 and (folder / "per_layer.png").stat().st_size > 0
     logged = [a.path for a in client.list_artifacts(run_id, "diagnostics/explain_step_00000003")]
     assert {"report.md", "per_layer.png", "results.json"} <= {p.rsplit("/", 1)[1] for p in logged}
+
+
+def test_markdown_lists_the_other_mismatch_views_when_the_catalogue_has_them():
+    from analysis.explain import VIEW_KEYS
+
+    results = _results()
+    results[1].metrics.update({"logprob_abs_diff_median": 0.25, "token_mult_prob_error_adv_pos": 1.5})
+    text = markdown(7, results)
+    assert "| metric | recorded | bf16 | kernels |" in text
+    assert "| logprob_abs_diff_median | — | 0.250000 | — |" in text
+    assert "| token_mult_prob_error_adv_pos | — | 1.500000 | — |" in text
+    assert len([line for line in text.splitlines() if line.split(" | ")[0][2:] in VIEW_KEYS]) == len(VIEW_KEYS)
+    assert "| metric |" not in markdown(7, _results())  # results without them: no table

@@ -24,7 +24,9 @@ from fp8rl_core.algorithms.grpo import (
     k3_kl,
     masked_mean,
     policy_loss,
+    rollout_kl,
 )
+from fp8rl_core.algorithms.importance import NEEDS_ADVANTAGES, importance_from_config
 from fp8rl_core.config import ISVariant
 
 VARIANTS = ["none", "token", "tis", "icepop", "sequence"]
@@ -199,6 +201,136 @@ def test_unknown_variant_and_bad_shapes_are_clear_errors():
         importance_weights(TRAIN, GEN[:, :3], MASK, "token")
     with pytest.raises(ValueError, match="cap > 0"):
         importance_weights(TRAIN, GEN, MASK, "tis", cap=0.0)
+
+
+# ---------------------------------------------------------------- issue 34: TRL's and prime-rl's corrections
+
+
+def _mis_case(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    gen = -torch.rand(6, 7, generator=g, dtype=torch.float64) * 3
+    train = gen + (torch.rand(6, 7, generator=g, dtype=torch.float64) - 0.5) * 1.6
+    mask = torch.rand(6, 7, generator=g) < 0.7
+    mask[:, 0] = True
+    adv = torch.tensor([1.5, -0.7, 0.0, 2.0, -1.0, 0.3], dtype=torch.float64)
+    return train, gen, mask, adv
+
+
+def ref_seq_mask(train, gen, mask, low, high):
+    """TRL sequence_mask, per row: s = exp(sum over valid tokens of (train - gen)); the row's valid tokens
+    get s when low <= s <= high, else 0."""
+    out = []
+    for tr, ge, m in zip(train, gen, mask):
+        s = math.exp(sum(a - b for a, b, k in zip(tr, ge, m) if k))
+        out.append([(s if low <= s <= high else 0.0) if k else 0.0 for k in m])
+    return out
+
+
+def ref_dppo(train, gen, mask, adv, low, high):
+    """prime-rl default_loss_fn, per token: dp = e^train - e^gen; masked if dp > high where A > 0, dp < -low
+    where A <= 0; the weight is exp(train - gen) where kept, 0 where masked."""
+    out = []
+    for tr, ge, m, a in zip(train, gen, mask, adv):
+        row = []
+        for x, y, k in zip(tr, ge, m):
+            dp = math.exp(x) - math.exp(y)
+            bad = dp > high if a > 0 else dp < -low
+            row.append(math.exp(x - y) if k and not bad else 0.0)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("low,high", [(0.0, 3.0), (0.5, 2.0), (0.9, 1.1)])
+def test_seq_mask_matches_trl_reference(low, high):
+    train, gen, mask, _ = _mis_case()
+    isw = compute_importance(train, gen, mask, "seq_mask", seq_low=low, seq_high=high)
+    exp = ref_seq_mask(train.tolist(), gen.tolist(), mask.tolist(), low, high)
+    assert torch.allclose(isw.weights, torch.tensor(exp, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert torch.equal(isw.masked, mask & (isw.weights == 0))
+    if (low, high) == (0.5, 2.0):  # the bounds bite: some rows kept, some masked
+        assert 0 < int(isw.masked.any(-1).sum()) < 6
+
+
+def test_seq_mask_is_the_product_not_the_geometric_mean():
+    ln2 = math.log(2.0)
+    train = torch.tensor([[ln2, ln2, 5.0], [ln2, -ln2, 0.0]], dtype=torch.float64)  # token ratios 2, 2 | 2, 1/2
+    gen = torch.zeros_like(train)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    w = compute_importance(train, gen, mask, "seq_mask").weights  # TRL's defaults: [0, 3]
+    assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]  # 2 * 2 = 4 > 3: masked (the mean, 2, would pass)
+    w = compute_importance(train, gen, mask, "seq_mask", seq_high=5.0).weights
+    assert w[0].tolist() == [pytest.approx(4.0, rel=1e-15)] * 2 + [0.0]
+    w = compute_importance(train, gen, mask, "seq_mask", seq_low=1.5, seq_high=5.0).weights
+    assert w[1].tolist() == [0.0, 0.0, 0.0]  # the lower bound: 1 < 1.5
+
+
+def test_seq_mask_non_finite_sequence_is_masked():
+    train = torch.tensor([[-1.0, float("nan")], [-1.0, -1.0]])
+    gen = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    isw = compute_importance(train, gen, torch.ones(2, 2, dtype=torch.bool), "seq_mask")
+    assert isw.weights.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+    assert importance_stats(isw)["is_fraction_masked"] == 0.5
+
+
+@pytest.mark.parametrize("low,high", [(0.2, 0.2), (0.05, 0.1)])
+def test_dppo_matches_prime_rl_reference(low, high):
+    train, gen, mask, adv = _mis_case(1)
+    for a in (adv, adv[:, None].expand_as(train)):  # [B] or [B, T]
+        isw = compute_importance(train, gen, mask, "dppo", prob_low=low, prob_high=high, advantages=a)
+        exp = ref_dppo(train.tolist(), gen.tolist(), mask.tolist(), adv.tolist(), low, high)
+        assert torch.allclose(isw.weights, torch.tensor(exp, dtype=torch.float64), rtol=1e-12, atol=0)
+        assert torch.equal(isw.masked, mask & (isw.weights == 0))
+    assert isw.masked.any()  # the case exercises the mask
+
+
+def test_dppo_sign_convention_by_hand():
+    # p_train - p_gen = +0.3 (rose) and -0.3 (fell), under a positive, a negative and a zero advantage
+    gen = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], dtype=torch.float64))
+    train = torch.log(torch.tensor([[0.8, 0.2, 0.8, 0.2, 0.8, 0.2]], dtype=torch.float64))
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0, 0.0, 0.0]], dtype=torch.float64)
+    isw = compute_importance(train, gen, torch.ones(1, 6, dtype=torch.bool), "dppo", advantages=adv)
+    # A > 0: masked where it rose (> 0.2); A < 0 and A = 0 (prime-rl: not positive): masked where it fell
+    assert isw.masked.tolist() == [[True, False, False, True, False, True]]
+    assert isw.weights[0, 1].item() == pytest.approx(0.4, rel=1e-12)  # kept: w = 0.2 / 0.5
+
+
+def test_dppo_without_advantages_is_a_clear_error():
+    train, gen, mask, _ = _mis_case()
+    assert NEEDS_ADVANTAGES == {"dppo"}
+    with pytest.raises(ValueError, match="'dppo' masks by the sign of each token's advantage.*advantages="):
+        compute_importance(train, gen, mask, "dppo")
+    with pytest.raises(ValueError, match="advantages has shape"):
+        compute_importance(train, gen, mask, "dppo", advantages=torch.zeros(3))
+    for variant in VARIANTS:  # the others ignore advantages
+        assert torch.equal(importance_weights(train, gen, mask, variant),
+                           importance_weights(train, gen, mask, variant, advantages=torch.ones(6)))
+
+
+def test_importance_from_config_reads_every_knob():
+    from fp8rl_core.config import LossSpec
+
+    train, gen, mask, adv = _mis_case(2)
+    spec = LossSpec(importance_sampling="dppo", is_prob_low=0.05, is_prob_high=0.1)
+    got = importance_from_config(spec, train, gen, mask, adv).weights
+    assert torch.equal(got, importance_weights(train, gen, mask, "dppo", prob_low=0.05, prob_high=0.1,
+                                               advantages=adv))
+    spec = LossSpec(importance_sampling="seq_mask", is_seq_low=0.9, is_seq_high=1.1)
+    assert torch.equal(importance_from_config(spec, train, gen, mask).weights,
+                       importance_weights(train, gen, mask, "seq_mask", seq_low=0.9, seq_high=1.1))
+
+
+@FAST
+@given(st.sampled_from(["seq_mask", "dppo"]), st.integers(0, 2**31 - 1))
+def test_masked_positions_never_matter_for_the_new_weights(variant, seed):
+    g = torch.Generator().manual_seed(seed)
+    train, gen = -torch.rand(3, 5, generator=g) * 2, -torch.rand(3, 5, generator=g) * 2
+    mask = torch.rand(3, 5, generator=g) < 0.6
+    adv = torch.randn(3, 5, generator=g)
+    garbage = torch.where(torch.rand(3, 5, generator=g) < 0.5, float("nan"), float("inf"))
+    w1 = importance_weights(train, gen, mask, variant, advantages=adv)
+    w2 = importance_weights(torch.where(mask, train, garbage), torch.where(mask, gen, -garbage), mask, variant,
+                            advantages=torch.where(mask, adv, garbage))
+    assert torch.equal(w1, w2) and torch.all(w1[~mask] == 0) and not w1.requires_grad
 
 
 def test_registry_matches_config_choices():
@@ -382,6 +514,36 @@ def test_policy_loss_rejects_a_kl_without_reference_and_bad_normalizer():
         policy_loss(lp, old, adv, mask, kl_coef=0.1)
     with pytest.raises(ValueError, match="num_tokens must be > 0"):
         policy_loss(lp, old, adv, mask, num_tokens=0)
+
+
+def test_rollout_kl_term_matches_a_float64_reference():
+    """L += rollout_kl_coef * (1/n) sum_valid 0.5 (lp - gen)^2 (prime-rl's squared log-ratio, with the k2 ½);
+    its gradient coef * (lp - gen) / n; `rollout_kl` reported without the coefficient."""
+    lp, old, adv, mask, w, ref = _case(7)
+    gen = lp + (torch.rand(3, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64) - 0.5)
+    x = lp.clone().requires_grad_()
+    loss, m = policy_loss(x, old, adv, mask, w, gen_logprobs=gen, rollout_kl_coef=0.3)
+    base, _ = ref_policy_loss(lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), w.tolist(), 0.2, 0.2,
+                              None, 0.0, 10.0)
+    pairs = [(a, b) for ra, rb, rm in zip(lp.tolist(), gen.tolist(), mask.tolist()) for a, b, k in zip(ra, rb, rm) if k]
+    k2 = sum(0.5 * (a - b) ** 2 for a, b in pairs) / len(pairs)
+    assert loss.item() == pytest.approx(base + 0.3 * k2, rel=1e-12)
+    assert m["rollout_kl"] == pytest.approx(k2, rel=1e-12) and m["loss"] == pytest.approx(base + 0.3 * k2, rel=1e-12)
+    loss.backward()
+    x0 = lp.clone().requires_grad_()
+    policy_loss(x0, old, adv, mask, w)[0].backward()
+    extra = torch.where(mask, 0.3 * (lp - gen), 0.0) / len(pairs)
+    assert torch.allclose(x.grad - x0.grad, extra, rtol=1e-10, atol=1e-15)
+    assert torch.equal(rollout_kl(lp, gen), 0.5 * (lp - gen) ** 2)
+
+
+def test_rollout_kl_term_is_off_by_default_and_needs_gen_logprobs():
+    lp, old, adv, mask, w, _ = _case(8)
+    base, m0 = policy_loss(lp, old, adv, mask, w)
+    same, m1 = policy_loss(lp, old, adv, mask, w, gen_logprobs=lp - 0.1)  # coefficient 0: reported only
+    assert torch.equal(base, same) and "rollout_kl" not in m0 and m1["rollout_kl"] == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="rollout_kl_coef=0.1 needs gen_logprobs"):
+        policy_loss(lp, old, adv, mask, rollout_kl_coef=0.1)
 
 
 def test_micro_batch_shares_add_up_to_the_global_loss():

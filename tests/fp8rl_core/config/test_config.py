@@ -185,3 +185,19 @@ def test_fp8_gemm_pin_enters_the_id_of_fp8_recipes_only_when_set():
     assert bf16() == bf16("fp8.gemm=emulated")
     with pytest.raises(ConfigError, match="fp8.gemm: 'te' is not allowed; valid: auto, emulated"):
         load_run_config(None, ["fp8.gemm=te"])
+
+
+def test_rollout_correction_keys_issue_34():
+    cfg = load_run_config(None, ["loss.importance_sampling=seq_mask"])
+    assert (cfg.loss.is_seq_low, cfg.loss.is_seq_high, cfg.loss.is_prob_low, cfg.loss.is_prob_high) == (0, 3, .2, .2)
+    with pytest.raises(ConfigError, match="loss.is_seq_low: need is_seq_low <= is_seq_high"):
+        load_run_config(None, ["loss.is_seq_low=4"])
+    with pytest.raises(ConfigError, match="loss.is_prob_low"):
+        load_run_config(None, ["loss.is_prob_low=-0.1"])
+    # what the run loop / training engine do not read yet is refused, never ignored (run_config._check_wired)
+    with pytest.raises(ConfigError, match="loss.is_seq_high: not read by the run loop yet"):
+        load_run_config(None, ["loss.importance_sampling=seq_mask", "loss.is_seq_high=2"])
+    with pytest.raises(ConfigError, match="loss.importance_sampling: 'dppo' needs the advantages"):
+        load_run_config(None, ["loss.importance_sampling=dppo"])
+    with pytest.raises(ConfigError, match="loss.rollout_kl_coef: not wired into the training engine yet"):
+        load_run_config(None, ["loss.rollout_kl_coef=0.001"])

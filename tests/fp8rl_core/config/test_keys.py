@@ -24,14 +24,18 @@ OLD_FP8_ONLY_KEYS = ("fp8.quantize_from", "fp8.format", "fp8.lm_head", "fp8.gemm
 OLD_NATIVE_ONLY = [("fp8.format", "block128"), ("fp8.lm_head", "bf16"), ("fp8.quantize_from", "bf16"),
                    ("fp8.gemm", "auto")]  # _check_low_precision_knobs' list, in its order (the first one set is named)
 OLD_RANGE_COUNT = 58
+# keys added since, each hashed only when set (so the ids above stay), with a range
+ADDED_WHEN_SET = {"loss.is_seq_low": 0.0, "loss.is_seq_high": 3.0, "loss.is_prob_low": 0.2,  # issue 34
+                  "loss.is_prob_high": 0.2, "loss.rollout_kl_coef": 0.0}
 
 
 def test_the_derived_tables_equal_the_hand_written_ones():
-    assert rc.HASH_IF_NOT_DEFAULT == OLD_HASH_IF_NOT_DEFAULT
+    assert rc.HASH_IF_NOT_DEFAULT == {**OLD_HASH_IF_NOT_DEFAULT, **ADDED_WHEN_SET}
     assert rc.HASH_FP8_TRAINING_ONLY == OLD_HASH_FP8_TRAINING_ONLY
     assert sorted(rc.FP8_ONLY_KEYS) == sorted(OLD_FP8_ONLY_KEYS) and len(rc.FP8_ONLY_KEYS) == 4
     assert list(rc.NATIVE_ONLY_KEYS.items()) == OLD_NATIVE_ONLY
-    assert len(rc.RANGES) == OLD_RANGE_COUNT and all(isinstance(r, Range) for r in rc.RANGES.values())
+    assert len(rc.RANGES) == OLD_RANGE_COUNT + len(ADDED_WHEN_SET)
+    assert all(isinstance(r, Range) for r in rc.RANGES.values())
     assert rc.RANGES["seed"] == Range(0, 2**31 - 1, why="vLLM and numpy take 32-bit seeds; ranks' seeds are "
                                                          "31-bit too")
     assert rc.RANGES["train.val_batch_size"] == at_least(1) and rc.RANGES["task.train_size"] == at_least(1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -24,9 +25,18 @@ def _batch(seed: int = 0, B: int = 5, T: int = 9, scale: float = 0.3):
     return train, gen, mask, w
 
 
-def _loop_reference(train, gen, mask, w) -> dict[str, float]:
+def _advantages(seed: int = 0, B: int = 5):
+    """Float64[B]: one advantage per sequence, positive, negative and exactly 0 (in neither sign split)."""
+    a = torch.randn(B, generator=torch.Generator().manual_seed(100 + seed), dtype=torch.float64)
+    a[-1] = 0.0
+    return a
+
+
+def _loop_reference(train, gen, mask, w, adv=None) -> dict[str, float]:
     """Each metric from its docstring formula, one Python float at a time (math module, float64)."""
     toks = [(float(train[b, t]), float(gen[b, t]), float(w[b, t]))
+            for b in range(train.shape[0]) for t in range(train.shape[1]) if mask[b, t]]
+    sign = [float(adv[b]) if adv is not None else math.nan
             for b in range(train.shape[0]) for t in range(train.shape[1]) if mask[b, t]]
     n = len(toks)
     d = [a - b for a, b, _ in toks]
@@ -77,16 +87,45 @@ def _loop_reference(train, gen, mask, w) -> dict[str, float]:
         "logprob_abs_diff_frac_gt_1": sum(abs(x) > 1 for x in d) / n,
         "logprob_abs_diff_frac_gt_10": sum(abs(x) > 10 for x in d) / n,
         "num_valid_tokens": float(n),
+        **_new_views_reference(d, [x for _, _, x in toks], sign),
     }
+
+
+def _new_views_reference(d, ws, sign) -> dict[str, float]:
+    """Issue 34's views: k2, the order statistics of |d| (miles: statistics.median, sorted[int(0.95 n)];
+    the trimmed mean drops the floor(0.05 n) largest) and the splits by advantage sign and IS mask."""
+    n = len(d)
+    a = sorted(abs(x) for x in d)
+    keep = n - math.floor(0.05 * n)
+    splits = {"adv_pos": [x for x, s in zip(d, sign) if s > 0], "adv_neg": [x for x, s in zip(d, sign) if s < 0],
+              "is_masked": [x for x, w in zip(d, ws) if w == 0], "is_kept": [x for x, w in zip(d, ws) if w != 0]}
+    mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+    out = {"rollout_k2_kl": sum(0.5 * x * x for x in d) / n, "logprob_abs_diff_median": statistics.median(a),
+           "logprob_abs_diff_p95": a[int(n * 0.95)], "logprob_abs_diff_trimmed_mean_p95": sum(a[:keep]) / keep}
+    for name, xs in splits.items():
+        out[f"token_mult_prob_error_{name}"] = mean([math.exp(abs(x)) for x in xs])
+        out[f"logprob_abs_diff_mean_{name}"] = mean([abs(x) for x in xs])
+        out[f"gen_kl_error_{name}"] = mean([math.exp(x) - x - 1 for x in xs])
+    known = not math.isnan(sign[0])
+    out["token_fraction_adv_pos"] = len(splits["adv_pos"]) / n if known else math.nan
+    out["token_fraction_adv_neg"] = len(splits["adv_neg"]) / n if known else math.nan
+    out["token_fraction_is_masked"] = len(splits["is_masked"]) / n
+    return out
 
 
 @pytest.mark.parametrize("scale", [0.01, 0.3, 3.0])
 def test_every_metric_matches_a_float64_loop_reference(scale):
     train, gen, mask, w = _batch(scale=scale)
-    got, ref = step_diagnostics(train, gen, mask, w), _loop_reference(train, gen, mask, w)
+    w = w.clone()
+    w[:, 1::3] = 0.0  # some tokens masked by the correction (the is_* splits)
+    adv = _advantages()
+    got = step_diagnostics(train, gen, mask, w, advantages=adv)
+    ref = _loop_reference(train, gen, mask, w, adv)
     assert set(got) == set(CATALOGUE_METRICS) == set(ref)
     for key in ref:
-        assert got[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-12), key
+        assert got[key] == pytest.approx(ref[key], rel=1e-9, abs=1e-12, nan_ok=True), key
+    assert got["token_fraction_is_masked"] > 0 and got["token_fraction_adv_pos"] > 0
+    assert got["token_fraction_adv_neg"] > 0
 
 
 # --- the peers' published formulas, written from their code's definitions (masked means over [B, T]) --------
@@ -216,7 +255,8 @@ def test_partial_sums_reduce_across_ranks_like_one_batch():
                    else torch.stack([p[k] for p in parts]).sum()) for k in parts[0]}
     whole = step_diagnostics(train, gen, mask, w)
     for key, value in finalize(reduced).items():
-        assert value == pytest.approx(whole[key], rel=1e-12, abs=1e-15), key
+        if key not in C.ORDER_METRICS:  # not sums: per-rank values, combined (test_order_statistics_...)
+            assert value == pytest.approx(whole[key], rel=1e-12, abs=1e-15, nan_ok=True), key
 
 
 class _TwoRankMesh:
@@ -240,7 +280,8 @@ def test_reduce_with_a_mesh_gives_the_whole_batch():
     got = step_diagnostics(train[:4], gen[:4], mask[:4], w[:4], reduce=C.reduce_with(mesh))
     whole = step_diagnostics(train, gen, mask, w)
     for key, value in whole.items():
-        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+        if key not in C.ORDER_METRICS:
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), key
 
 
 def test_shape_errors_name_the_tensors():
@@ -274,4 +315,84 @@ def test_all_reduce_sums_gives_global_metrics_over_two_gloo_ranks(tmp_path):
     train, gen, mask, w = _batch(8, B=6)
     whole = step_diagnostics(train, gen, mask, w)
     for key, value in whole.items():
-        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15), key
+        if key not in C.ORDER_METRICS:
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-15, nan_ok=True), key
+
+
+# --- issue 34: prime-rl's and miles' views ---------------------------------------------------------------
+def test_matches_prime_rl_masked_and_unmasked_mismatch_kl():
+    """prime-rl default_loss_fn: mismatch_kl = ratio - log ratio - 1; masked_/unmasked_mismatch_kl are its
+    means over the masked / kept trainable tokens; is_masked their share; kl_loss = (log ratio)^2 (2 k2).
+    The mask here is prime-rl's own DPPO rule (0.2), handed to the catalogue as zero IS weights."""
+    train, gen, mask, _ = _batch(11, scale=1.0)
+    adv = _advantages(11).unsqueeze(-1).expand_as(train)
+    pdiff = torch.exp(train) - torch.exp(gen)
+    is_masked = torch.where(adv > 0, pdiff > 0.2, pdiff < -0.2)
+    w = torch.where(is_masked, 0.0, torch.exp(train - gen))
+    got = step_diagnostics(train, gen, mask, w, advantages=adv)
+    log_ratio = train - gen
+    mismatch_kl = torch.exp(log_ratio) - log_ratio - 1
+    lm = mask.bool()
+    safe_mean = lambda v, m: v[m].sum() / m.sum().clamp(min=1)  # noqa: E731  (prime-rl's _safe_mean)
+    assert (lm & is_masked).any() and (lm & ~is_masked).any()
+    assert got["gen_kl_error_is_masked"] == pytest.approx(float(safe_mean(mismatch_kl, lm & is_masked)), rel=1e-9)
+    assert got["gen_kl_error_is_kept"] == pytest.approx(float(safe_mean(mismatch_kl, lm & ~is_masked)), rel=1e-9)
+    assert got["token_fraction_is_masked"] == pytest.approx(float(safe_mean(is_masked.double(), lm)), rel=1e-12)
+    assert got["rollout_k2_kl"] == pytest.approx(0.5 * float(safe_mean(log_ratio ** 2, lm)), rel=1e-12)
+    pos = lm & (adv > 0)
+    assert got["token_mult_prob_error_adv_pos"] == pytest.approx(
+        float(torch.exp(log_ratio.abs())[pos].mean()), rel=1e-12)
+    assert got["logprob_abs_diff_mean_adv_neg"] == pytest.approx(float(log_ratio.abs()[lm & (adv < 0)].mean()),
+                                                                 rel=1e-12)
+
+
+def test_matches_miles_median_and_p95():
+    """miles logprob_comparator: statistics.median(diffs), sorted_diffs[int(num * 0.95)]."""
+    for seed, B in ((12, 5), (13, 8)):
+        train, gen, mask, w = _batch(seed, B=B)
+        diffs = [abs(float(a) - float(b)) for a, b in zip(train[mask], gen[mask])]
+        got = step_diagnostics(train, gen, mask, w)
+        assert got["logprob_abs_diff_median"] == pytest.approx(statistics.median(diffs), rel=1e-12)
+        assert got["logprob_abs_diff_p95"] == pytest.approx(sorted(diffs)[int(len(diffs) * 0.95)], rel=1e-12)
+
+
+def test_order_statistics_hand_computed():
+    d = torch.arange(1.0, 21.0, dtype=torch.float64)[None]  # |d| = 1..20: n = 20
+    got = step_diagnostics(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool))
+    assert got["logprob_abs_diff_median"] == 10.5  # (10 + 11) / 2
+    assert got["logprob_abs_diff_p95"] == 20.0  # sorted[int(19.0)]
+    assert got["logprob_abs_diff_trimmed_mean_p95"] == pytest.approx(sum(range(1, 20)) / 19, rel=1e-15)  # 20 dropped
+    one = step_diagnostics(d[:, :1], torch.zeros_like(d[:, :1]), torch.ones(1, 1, dtype=torch.bool))
+    assert one["logprob_abs_diff_median"] == one["logprob_abs_diff_p95"] == 1.0
+    assert one["logprob_abs_diff_trimmed_mean_p95"] == 1.0
+
+
+def test_order_statistics_across_ranks_are_per_rank_values_combined_as_documented():
+    """Not sums: token-weighted mean of each rank's median / p95; the trimmed mean pools each rank's own
+    trimmed tokens. Exact for one rank; for two ranks the documented combination, not the global sort."""
+    train, gen, mask, w = _batch(14, B=8)
+    halves = [(slice(0, 5)), (slice(5, 8))]
+    parts = [partial_sums(train[r], gen[r], mask[r], w[r]) for r in halves]
+    reduced = {k: (torch.stack([p[k] for p in parts]).max() if k.startswith("max_")
+                   else torch.stack([p[k] for p in parts]).sum()) for k in parts[0]}
+    got = finalize(reduced)
+    per = [step_diagnostics(train[r], gen[r], mask[r], w[r]) for r in halves]
+    n = [p["num_valid_tokens"] for p in per]
+    for key in ("logprob_abs_diff_median", "logprob_abs_diff_p95"):
+        assert got[key] == pytest.approx((per[0][key] * n[0] + per[1][key] * n[1]) / (n[0] + n[1]), rel=1e-12)
+    k = [m - math.floor(0.05 * m) for m in n]
+    trimmed = (per[0]["logprob_abs_diff_trimmed_mean_p95"] * k[0] + per[1]["logprob_abs_diff_trimmed_mean_p95"] * k[1])
+    assert got["logprob_abs_diff_trimmed_mean_p95"] == pytest.approx(trimmed / sum(k), rel=1e-12)
+
+
+def test_advantages_per_token_or_per_sequence_and_missing():
+    train, gen, mask, w = _batch(15)
+    adv = _advantages(15)
+    per_seq = step_diagnostics(train, gen, mask, w, advantages=adv)
+    per_tok = step_diagnostics(train, gen, mask, w, advantages=adv[:, None].expand_as(train))
+    assert {k: v for k, v in per_seq.items() if v == v} == {k: v for k, v in per_tok.items() if v == v}
+    none = step_diagnostics(train, gen, mask, w)
+    assert math.isnan(none["token_fraction_adv_pos"]) and math.isnan(none["token_mult_prob_error_adv_neg"])
+    assert none["token_mult_prob_error_is_kept"] == none["token_mult_prob_error"]  # no weight is 0 here
+    with pytest.raises(ValueError, match="advantages has shape"):
+        step_diagnostics(train, gen, mask, w, advantages=adv[:3])

@@ -84,3 +84,19 @@ def test_fake_quantization_switches_one_error_source_at_a_time(setup):
         errs[(w, a)] = compare(ref, side, ids, am, rm).layer_rel_err[0]
     assert all(e > 0 for e in errs.values())
     assert errs[(True, True)] > max(errs[(True, False)], errs[(False, True)])  # the two errors add up
+
+
+def test_the_catalogues_new_views_reach_the_replay(setup):
+    """Issue 34's metrics (order statistics, k2, splits) are in every variant's metrics; with the rollout's
+    advantages the sign splits are measured, without them nan."""
+    import math
+
+    from fp8rl_core.diagnostics.catalogue import CATALOGUE_METRICS, ORDER_METRICS, SPLIT_METRICS
+
+    cfg, model, ids, am, rm = setup
+    a, b = TrainKernels(model, "train", temperature=2.0), _gen(cfg, model)
+    r = compare(a, b, ids, am, rm, advantages=torch.tensor([1.0, -1.0, 0.5]))
+    assert set(CATALOGUE_METRICS) <= set(r.metrics) and set(ORDER_METRICS + SPLIT_METRICS) <= set(r.metrics)
+    assert r.metrics["rollout_k2_kl"] > 0 and r.metrics["logprob_abs_diff_median"] > 0
+    assert r.metrics["token_fraction_adv_pos"] > r.metrics["token_fraction_adv_neg"] > 0
+    assert math.isnan(compare(a, b, ids, am, rm).metrics["token_mult_prob_error_adv_pos"])
