@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace, recipe: str) -> dict:
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        m = grpo_step(ctx)
+        m = grpo_step(ctx).metrics
         wall = time.perf_counter() - t0
         gen = m["response_length_mean"] * B / m["generation_tokens_per_s"]
         steps.append({"step": wall, "gen": gen, "train": m["train_time_s"],

@@ -256,7 +256,7 @@ def time_ours(args: argparse.Namespace, rows: dict[str, RunConfig], profile: Ite
             gen_seconds[name].clear()
             with environ(before_env(name)):
                 t0 = CLOCK()
-                m = grpo_step(ctx)
+                m = grpo_step(ctx).metrics
                 seconds = CLOCK() - t0
             if step < args.warmup:
                 continue

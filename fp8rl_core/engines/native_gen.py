@@ -35,6 +35,7 @@ tensor to one scale). `quantized_linear` quantizes one unfused matrix (e.g. an F
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -341,6 +342,25 @@ class NativeGenerationEngine:
             return decode_attention(q, cache.k[i], cache.v[i], cache.visible, self.emulate_bf16)
 
         return self._forward(tokens, positions, attend)
+
+    # ---- lifecycle (GenerationEngine): no server, no sleep mode -------------------------------------
+    def start(self, model_dir: object = None) -> None:
+        """Nothing to start: the first refit builds the weight copy."""
+
+    def sleep(self, level: int = 2) -> None:
+        """Nothing to release: the weight copy serves until the next refit (`release` drops it)."""
+
+    def awake(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(self)
+
+    def tags(self) -> dict[str, str]:
+        return {}
+
+    def release(self) -> None:
+        """Drop the weight copy (blocks, embedding, final norm, LM head and its FP32 / FP8 copies): the
+        next use must be a refit (generate raises before)."""
+        self.blocks = []
+        self.embed = self.final_norm = self.lm_head = self._head32 = self._head_q = None
 
     def _check_ready(self) -> None:
         if not self.blocks:

@@ -25,6 +25,7 @@ from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.distributed import init_distributed
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
+from fp8rl_core.engines.bf16_eval import BF16Evaluator
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
 from fp8rl_core.fp8 import preflight
@@ -168,36 +169,6 @@ def rollout_rows(cfg: RunConfig, world_size: int) -> int:
     return -(-cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // world_size)
 
 
-class BF16Evaluator(NativeGenerationEngine):
-    """engines.generation vllm: the engine-neutral evaluation engine, the native generation engine in BF16
-    (vLLM runs one sleep-mode engine per process on a GPU, engines/vllm_gen.py; on a CPU, one engine keeps
-    the evaluator the same for every arm). It holds weights only from a
-    refit (validation's, RunContext.bf16_engine, on every rank) to `sleep(level=2)` (after its share of the
-    evaluation), so a rollout never finds it on the GPU; and it decodes at most `max_batch` sequences at once
-    (validation's batch, config.val_batch_rows: at most engines.vllm.max_num_seqs, so its KV cache is no larger
-    than vLLM's pool; a larger call is refused), whatever the world size."""
-
-    def __init__(self, *args: Any, max_batch: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.max_batch = max_batch
-
-    def generate(self, prompts: list[list[int]], sampling: Any) -> Any:
-        if len(prompts) > self.max_batch:
-            raise ValueError(f"BF16Evaluator: {len(prompts)} sequences at once, above its max_batch "
-                             f"{self.max_batch} (train.val_batch_size / engines.vllm.max_num_seqs)")
-        return super().generate(prompts, sampling)
-
-    def refit(self, weights: Any) -> None:
-        self.sleep(level=2)  # the old copy goes before the new one is built: never two copies
-        super().refit(weights)
-
-    def sleep(self, level: int = 2) -> None:
-        """level 2: release the weights (the next use must be a refit: generate raises before); 1: keep."""
-        if level == 2:
-            self.blocks = []
-            self.embed = self.final_norm = self.lm_head = self._head32 = self._head_q = None
-
-
 def build_bf16_generation_engine(cfg: RunConfig, path: Path, model_config: Any, device: str, rank: int = 0,
                                  mesh: Mesh | None = None) -> Any:
     """The BF16 generation engine beside the arm's: the engine-neutral evaluation (val_accuracy_bf16_eval)
@@ -321,7 +292,7 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     model_config = read_model_config(path)  # config.json + generation_config.json's EOS ids (turn ends)
     checked = gemm_preflight(cfg, model_config, device, mesh)  # raises before any engine or FP8 step
     gen, bf16_gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
-    engine_tags = gen.tags() if hasattr(gen, "tags") else {}  # vLLM: its version, device and FP8 kernels
+    engine_tags = gen.tags()  # vLLM: its version, device and FP8 kernels
     ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,

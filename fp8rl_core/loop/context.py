@@ -32,7 +32,7 @@ class RunContext:
     # a BF16 generation engine beside the arm's: the engine-neutral evaluation (val_accuracy_bf16_eval) and,
     # for fp8_gen, the matched-kernel replay at the trainer's precision. Native generation: None for a recipe
     # that generates in BF16 (its own engine serves); vLLM: the native BF16 evaluator for every recipe
-    # (builder.BF16Evaluator). Refit lazily, only when used (bf16_engine)
+    # (engines/bf16_eval.py). Refit lazily, only when used (bf16_engine)
     bf16_gen: GenerationEngine | None = None
     recipe: Recipe = BF16  # the run's recipe, resolved once (config.recipe_of): what each engine quantizes
     numerics: dict[str, str] = field(default_factory=dict)  # what ran: BF16 path, CPU flags (MLflow tags)

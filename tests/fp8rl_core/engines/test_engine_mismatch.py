@@ -76,7 +76,7 @@ def bf16_recipe_mismatch(tmp_path_factory):
                 "warmstart.batch_size=16", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
                 "rollout.max_new_tokens=6", "task.val_size=6", "threads=1", "device=cpu", f"seed={seed}", extra])
             ctx = build_context(cfg, progress=False)
-            per_seed.append(statistics.median(grpo_step(ctx)["token_mult_prob_error"] for _ in range(STEPS)))
+            per_seed.append(statistics.median(grpo_step(ctx).metrics["token_mult_prob_error"] for _ in range(STEPS)))
         value = statistics.median(per_seed) - 1
         print(f"bf16 recipe, {path}: token_mult_prob_error - 1 = {value:.3g}")
         return value

@@ -61,7 +61,7 @@ def test_gradient_equals_independent_policy_gradient():
     engine = NativeTrainingEngine(model, compute_dtype=torch.float32, optim=OptimSpec(grad_clip=0.0))
     captured = {}
     engine.optimizer.step = lambda: captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
-    metrics = engine.train_step(batch)
+    metrics = engine.train_step(batch).metrics
 
     logits = twin(batch.input_ids, batch.attention_mask).double()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
@@ -85,7 +85,7 @@ def test_train_step_moves_logprobs_along_advantages():
     before = engine.logprobs(batch)
     w0 = model.model.layers[0].mlp.up_proj.weight.detach().clone()
     batch.old_logprobs = before
-    m = engine.train_step(batch)
+    m = engine.train_step(batch).metrics
     after = engine.logprobs(batch)
     assert not torch.equal(w0, model.model.layers[0].mlp.up_proj.weight)
     delta = ((after - before) * batch.response_mask).sum(1)
@@ -115,7 +115,7 @@ def test_fp8_e2e_uses_fp8_linear_and_trains():
     assert 0 < float(diff.max()) < 0.2, f"FP8 vs BF16 log-prob difference {float(diff.max()):.3e}"
     batch.old_logprobs = lp
     w0 = model.model.layers[1].mlp.down_proj.weight.detach().clone()
-    metrics = engine.train_step(batch)
+    metrics = engine.train_step(batch).metrics
     assert 0 < metrics["grad_norm"] < float("inf")
     assert not torch.equal(w0, model.model.layers[1].mlp.down_proj.weight)
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32
@@ -161,7 +161,7 @@ def test_non_finite_loss_or_grad_raises_without_stepping():
     handle.remove()
     assert engine.step == 0 and all(torch.equal(before[k], v) for k, v in engine.weights().items())
     assert all(p.grad is None for p in model.parameters())
-    assert engine.train_step(batch)["grad_norm"] > 0  # still usable afterwards
+    assert engine.train_step(batch).metrics["grad_norm"] > 0  # still usable afterwards
 
 
 def test_rejects_non_fp32_master_weights():
@@ -177,7 +177,7 @@ def test_loss_spec_reaches_policy_loss():
     lp = engine.logprobs(batch)
     batch.old_logprobs = lp - 0.5 * batch.response_mask
     batch.ref_logprobs = lp - 0.2 * batch.response_mask
-    m = engine.train_step(batch)
+    m = engine.train_step(batch).metrics
     assert m["kl"] > 0 and abs(m["loss"] - (m["pg_loss"] + 0.1 * m["kl"])) <= 1e-6
     pos = (batch.advantages > 0) & batch.response_mask
     assert abs(m["clip_fraction"] - float(pos.sum() / batch.response_mask.sum())) <= 1e-6
@@ -223,7 +223,7 @@ def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monke
         assert len(calls) == len(plain)
     batch.old_logprobs = lp
     w0 = model.lm_head.weight.detach().clone()
-    assert 0 < engine.train_step(batch)["grad_norm"] < float("inf")
+    assert 0 < engine.train_step(batch).metrics["grad_norm"] < float("inf")
     assert model.lm_head.weight.dtype == torch.float32 and not torch.equal(w0, model.lm_head.weight)
 
 

@@ -628,9 +628,15 @@ def test_builder_native_order_is_unchanged(monkeypatch, tmp_path):
     import fp8rl_core.loop.builder as builder
     from fp8rl_core.distributed.mesh import SINGLE
 
-    class FakeGen:  # no start(): the native path must not call one
+    class FakeGen:
+        def start(self, model_dir):
+            raise AssertionError("the native path calls no start()")
+
         def refit(self, weights):
             events.append(("refit", []))
+
+        def tags(self):
+            return {}
 
     events: list = []
     _record_builds(monkeypatch, events, [])
