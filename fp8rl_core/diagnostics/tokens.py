@@ -30,6 +30,7 @@ from fp8rl_core.distributed.mesh import Mesh
 from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.io.checkpoint import list_checkpoints
 from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.tokenizer import Tokenizer
 from fp8rl_core.tracking.sink import MetricSink
 
 WORST_TOKENS_FILE = "diagnostics/worst_tokens.jsonl"
@@ -181,7 +182,7 @@ def rollout_path(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / ROLLOUTS_DIR / f"step_{step:08d}.pt"
 
 
-def after_step(cfg: RunConfig, tokenizer: Any, model_config: ModelConfig | None, batch: TrainBatch | None,
+def after_step(cfg: RunConfig, tokenizer: Tokenizer, model_config: ModelConfig | None, batch: TrainBatch | None,
                sink: MetricSink, step: int) -> None:
     """The run loop's hook after logging step `step` (its batch: grpo_step's StepResult.batch): worst-token
     table, saved rollout, artifact upload. model_config: the generating engine's (saved with the rollout)."""

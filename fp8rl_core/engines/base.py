@@ -131,14 +131,18 @@ class TrainResult:
 Importance = Callable[[TrainBatch], torch.Tensor]  # sub-batch with old_logprobs -> IS weights Float32[b, T]
 
 
-class TrainingEngine(Protocol):
-    # True: train_step(batch without old_logprobs, importance=...) scores the batch in its own forward and
-    # returns the old log-probs and IS weights it used (TrainResult), which saves the separate scoring pass
-    reports_old_logprobs: bool
+class LogprobEngine(Protocol):
+    """Scores batches only: the frozen reference policy of the KL term (native_train.ReferencePolicy)."""
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Float32[B, T]: log p(input_ids[:, t] | input_ids[:, :t]) / temperature-scaled, no grad;
         0 where response_mask is False (position 0 is never a response token)."""
+
+
+class TrainingEngine(LogprobEngine, Protocol):
+    # True: train_step(batch without old_logprobs, importance=...) scores the batch in its own forward and
+    # returns the old log-probs and IS weights it used (TrainResult), which saves the separate scoring pass
+    reports_old_logprobs: bool
 
     def train_step(self, batch: TrainBatch, importance: Importance | None = None,
                    step_mismatch: float | None = None) -> TrainResult:

@@ -39,7 +39,7 @@ from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.distributed.parallel import GatheredWeights, shard_model
 from fp8rl_core.engines.base import Importance, TrainBatch, TrainResult
 from fp8rl_core.engines.guard import StepGuard
-from fp8rl_core.model.bf16 import emulate_bf16_matmuls
+from fp8rl_core.model.bf16 import upcast_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
 from fp8rl_core.model.llama import CausalLM
 from fp8rl_core.model.packing import Packed, pack
@@ -132,8 +132,8 @@ class NativeTrainingEngine:
     recipe:       what it quantizes (fp8rl_core/config/recipe.py): with a `training` side its linear layers
                   (but the kept blocks and lm_head) are swapped for Fp8Linear in place.
     compute_dtype: torch.bfloat16 (autocast) or torch.float32 (no autocast; for tests).
-    emulate_bf16: the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
-                  BF16 operands and round to BF16 (model.bf16_compute: emulated; model/bf16.py).
+    upcast_bf16: the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
+                  BF16 operands and round to BF16 (the emulated BF16 path; model/bf16.py).
     recipe.training.quantize_from: "bf16" quantizes the BF16 rounding of each master weight (what the
                   generation engine quantizes), "master" the FP32 master itself.
     optim:        AdamW(lr, betas, eps, weight_decay on every parameter), grad_clip (<= 0: off).
@@ -162,7 +162,7 @@ class NativeTrainingEngine:
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
-                 reshard_after_forward: bool = True, emulate_bf16: bool = False, padding_free: bool = False,
+                 reshard_after_forward: bool = True, upcast_bf16: bool = False, padding_free: bool = False,
                  guard: MismatchGuardSpec | None = None, mixed_precision: str = "none") -> None:
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
@@ -178,9 +178,9 @@ class NativeTrainingEngine:
         self.guard_spec = guard if guard is not None and guard.enabled else None
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
         self.fp8_modules = apply_fp8(model, recipe, compute_dtype) if recipe.fp8_training else []
-        self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
-        if self.emulate_bf16:
-            emulate_bf16_matmuls(model)
+        self.upcast_bf16 = bool(upcast_bf16) and compute_dtype == torch.bfloat16
+        if self.upcast_bf16:
+            upcast_bf16_matmuls(model)
         self.mesh = mesh or SINGLE
         self.micro_batch_size, self.logprob_batch_size = int(micro_batch_size), int(logprob_batch_size)
         self._device = next(model.parameters()).device  # the compute device (shards may be offloaded)
@@ -450,13 +450,13 @@ class ReferencePolicy:
     def __init__(self, model: CausalLM, *, device: torch.device | str, recipe: Recipe = BF16,
                  temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None,
-                 logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False,
+                 logprob_batch_size: int = 0, cpu_offload: bool = False, upcast_bf16: bool = False,
                  padding_free: bool = False) -> None:
         model.requires_grad_(False).eval()
         if recipe.fp8_training:
             apply_fp8(model, recipe, compute_dtype)
-        if emulate_bf16 and compute_dtype == torch.bfloat16:
-            emulate_bf16_matmuls(model)
+        if upcast_bf16 and compute_dtype == torch.bfloat16:
+            upcast_bf16_matmuls(model)
         self.mesh, self.device = mesh or SINGLE, torch.device(device)
         self.offload = cpu_offload and not self.mesh.distributed and self.device.type != "cpu"
         self.model = model.to("cpu" if self.offload else self.device)

@@ -198,8 +198,8 @@ def spy_linears(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_e2e"])
-def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monkeypatch, fp8):
-    """emulate_bf16: every plain linear (the LM head included) becomes EmulatedBf16Linear and attention
+def test_upcast_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monkeypatch, fp8):
+    """upcast_bf16: every plain linear (the LM head included) becomes EmulatedBf16Linear and attention
     attends on FP32 upcasts; FP8 layers stay Fp8Linear. The log-prob pass then runs each of them
     as an FP32 product on the BF16-rounded operands, no BF16 kernel (counted), with HF parameter names
     unchanged, and a training step moves the FP32 masters."""
@@ -208,13 +208,13 @@ def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monke
 
     model, batch = make_model(), make_batch(CFG.vocab_size)
     names = set(make_model().state_dict())
-    engine = NativeTrainingEngine(model, emulate_bf16=True, recipe=E2E if fp8 else BF16)
-    assert engine.emulate_bf16
+    engine = NativeTrainingEngine(model, upcast_bf16=True, recipe=E2E if fp8 else BF16)
+    assert engine.upcast_bf16
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plain = sorted(n for n, k in kinds.items() if k is EmulatedBf16Linear)
     assert plain == (["lm_head"] if fp8 else sorted(kinds)) and not any(k is nn.Linear for k in kinds.values())
     assert sum(k is Fp8Linear for k in kinds.values()) == (14 if fp8 else 0)
-    assert all(m.emulate_bf16 for m in model.modules() if isinstance(m, Attention))
+    assert all(m.upcast_bf16 for m in model.modules() if isinstance(m, Attention))
     assert set(engine.weights()) == names
     calls = spy_linears(monkeypatch)
     lp = engine.logprobs(batch)
@@ -227,22 +227,22 @@ def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monke
     assert model.lm_head.weight.dtype == torch.float32 and not torch.equal(w0, model.lm_head.weight)
 
 
-def test_emulate_bf16_is_off_for_fp32_compute_and_by_default():
-    fp32 = NativeTrainingEngine(make_model(), compute_dtype=torch.float32, emulate_bf16=True)
+def test_upcast_bf16_is_off_for_fp32_compute_and_by_default():
+    fp32 = NativeTrainingEngine(make_model(), compute_dtype=torch.float32, upcast_bf16=True)
     default = NativeTrainingEngine(make_model())
     for engine in (fp32, default):
-        assert not engine.emulate_bf16
+        assert not engine.upcast_bf16
         assert all(type(m) is nn.Linear for m in engine.model.modules() if isinstance(m, nn.Linear))
 
 
-def test_reference_policy_honours_emulate_bf16():
+def test_reference_policy_honours_upcast_bf16():
     from fp8rl_core.engines.native_train import ReferencePolicy
     from fp8rl_core.model.bf16 import EmulatedBf16Linear
 
-    ref = ReferencePolicy(make_model(), device="cpu", emulate_bf16=True)
+    ref = ReferencePolicy(make_model(), device="cpu", upcast_bf16=True)
     assert type(ref.model.lm_head) is EmulatedBf16Linear
     assert type(ReferencePolicy(make_model(), device="cpu").model.lm_head) is nn.Linear
-    assert type(ReferencePolicy(make_model(), device="cpu", emulate_bf16=True,
+    assert type(ReferencePolicy(make_model(), device="cpu", upcast_bf16=True,
                                 compute_dtype=torch.float32).model.lm_head) is nn.Linear
 
 
@@ -257,7 +257,7 @@ def test_emulated_logprobs_agree_with_native_within_bf16_noise(monkeypatch):
         native = NativeTrainingEngine(make_model(seed)).logprobs(batch)
         assert len(calls) == 15 and all(calls)  # the native engine: autocast's BF16 kernels, 7 a layer + LM head
         monkeypatch.undo()
-        emulated = NativeTrainingEngine(make_model(seed), emulate_bf16=True).logprobs(batch)
+        emulated = NativeTrainingEngine(make_model(seed), upcast_bf16=True).logprobs(batch)
         fp32 = NativeTrainingEngine(make_model(seed), compute_dtype=torch.float32).logprobs(batch)
         assert float((native - emulated).abs().max()) <= 0.01
         assert float((native - fp32).abs().max()) <= 0.02 and float((emulated - fp32).abs().max()) <= 0.02

@@ -51,7 +51,7 @@ def step(recipe: str, dtype: torch.dtype, padding_free: bool, emulate: bool, bat
     """One train_step; returns (engine, its TrainResult, {param: grad}, {fp8 layer: (X, dY)} of the step's forward)."""
     model = make_model()
     engine = NativeTrainingEngine(model, recipe=RECIPES[recipe], compute_dtype=dtype, optim=OptimSpec(grad_clip=0.0),
-                                  emulate_bf16=emulate, padding_free=padding_free)
+                                  upcast_bf16=emulate, padding_free=padding_free)
     grads, acts = {}, {}
     engine.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
     if capture:
