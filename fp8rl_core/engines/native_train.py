@@ -120,8 +120,6 @@ def _rows(batch: TrainBatch, rows: slice) -> TrainBatch:
 # token count); ratio_max takes the max.
 _SHARE, _MEAN = ("loss", "pg_loss", "kl"), ("clip_fraction", "ratio_mean", "entropy")
 
-
-
 GRAD_REDUCE = ("micro_batch", "step")  # when sharded gradients are reduce-scattered (see grad_reduce)
 
 
@@ -132,7 +130,7 @@ class NativeTrainingEngine:
     recipe:       what it quantizes (fp8rl_core/config/recipe.py): with a `training` side its linear layers
                   (but the kept blocks and lm_head) are swapped for Fp8Linear in place.
     compute_dtype: torch.bfloat16 (autocast) or torch.float32 (no autocast; for tests).
-    upcast_bf16: the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
+    upcast_bf16:  the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
                   BF16 operands and round to BF16 (the emulated BF16 path; model/bf16.py).
     recipe.training.quantize_from: "bf16" quantizes the BF16 rounding of each master weight (what the
                   generation engine quantizes), "master" the FP32 master itself.
