@@ -51,9 +51,8 @@ def bench_step(args: argparse.Namespace) -> None:
     step_s, cat_s, tab_s, tokens = [], [], [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
-        grpo_step(ctx)
+        b = grpo_step(ctx).batch
         dt = time.perf_counter() - t0
-        b = ctx.__dict__.pop("diagnostics_batch")
         if i < args.warmup:
             continue
         step_s.append(dt)

@@ -51,7 +51,7 @@ def worker(args: argparse.Namespace, recipe: str) -> dict:
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        m = grpo_step(ctx)
+        m = grpo_step(ctx).metrics
         wall = time.perf_counter() - t0
         gen = m["response_length_mean"] * B / m["generation_tokens_per_s"]
         steps.append({"step": wall, "gen": gen, "train": m["train_time_s"],
@@ -85,12 +85,11 @@ def warm_start(args: argparse.Namespace) -> Path:
     import torch
 
     from fp8rl_core.config import load_run_config
-    from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
-    from fp8rl_core.tasks import make_task
+    from fp8rl_core.loop.builder import initial_checkpoint, resolve_setup
 
     torch.set_num_threads(args.threads)
     cfg = load_run_config(None, overrides(args, "bf16"))
-    return initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=True)
+    return initial_checkpoint(resolve_setup(cfg, "cpu"), progress=True)
 
 
 def print_table(results: list[dict]) -> None:

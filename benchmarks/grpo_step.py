@@ -105,7 +105,7 @@ from fp8rl_core.config import ConfigError, RunConfig, load_run_config  # noqa: E
 from fp8rl_core.fp8.cpu_features import kernel_flags  # noqa: E402
 from fp8rl_core.fp8.gemm import select_executor  # noqa: E402
 from fp8rl_core.io.environ import environ  # noqa: E402
-from fp8rl_core.loop.builder import build_context, initial_checkpoint, load_tokenizer  # noqa: E402
+from fp8rl_core.loop.builder import build_context, initial_checkpoint, load_tokenizer, resolve_setup  # noqa: E402
 from fp8rl_core.loop.step import grpo_step  # noqa: E402
 from fp8rl_core.model.bf16 import resolve_bf16_compute  # noqa: E402
 from fp8rl_core.tasks import Example, make_task  # noqa: E402
@@ -180,10 +180,8 @@ def plan_rows(args: argparse.Namespace, names: list[str], progress: bool = True)
     dtype), and point every row's model.path at it, whatever its recipe or dtype. Where the run config
     names a model.path (--model smollm2, --set model.path=...) that checkpoint is the one: nothing trains."""
     warm = run_config(args, "bf16")
-    if warm.model.path:  # its checkpoint folder (a GGUF or pkg: spec converted once into the model cache)
-        ckpt = initial_checkpoint(warm, None, None, progress=progress)
-    else:
-        ckpt = initial_checkpoint(warm, load_tokenizer(warm), make_task(warm.task), progress=progress)
+    # model.path: its checkpoint folder (a GGUF or pkg: spec converted once into the model cache); else the warm start
+    ckpt = initial_checkpoint(resolve_setup(warm, "cpu"), progress=progress)
     rows = {name: run_config(args, name, ckpt) for name in names}
     return Plan(checkpoint=Path(ckpt), rows=rows, trl=rows[names[0]])
 
@@ -256,7 +254,7 @@ def time_ours(args: argparse.Namespace, rows: dict[str, RunConfig], profile: Ite
             gen_seconds[name].clear()
             with environ(before_env(name)):
                 t0 = CLOCK()
-                m = grpo_step(ctx)
+                m = grpo_step(ctx).metrics
                 seconds = CLOCK() - t0
             if step < args.warmup:
                 continue

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8rl-train: {e}", file=sys.stderr)
         return 2
     if args.print_config:
+        from fp8rl_core.loop.builder import bf16_path_note
+
         print(f"# run id {run_config_hash(cfg)}")
         print(f"# {bf16_path_note(cfg)}")
         print(f"# {fp8_gemm_note(cfg)}")
@@ -55,19 +57,6 @@ def main(argv: list[str] | None = None) -> int:
     if detect_rank_env().rank == 0:  # one summary per run, not one per rank
         print(json.dumps({k: round(v, 6) for k, v in summary.items()}, indent=1))
     return 0
-
-
-def bf16_path_note(cfg) -> str:
-    """Which BF16 path this config takes on this machine, and why (model.bf16_compute resolved here)."""
-    from fp8rl_core.loop.builder import bf16_path, resolve_device
-    from fp8rl_core.model.bf16 import recorded_flags
-
-    device = resolve_device(cfg)
-    path = bf16_path(cfg, device)
-    if path == "none":
-        return "BF16 path: none (model.dtype fp32: nothing runs in BF16)"
-    why = "CUDA" if device.startswith("cuda") else f"CPU flags: {recorded_flags() or 'none of avx2/avx512/amx'}"
-    return f"BF16 path: {path} (model.bf16_compute={cfg.model.bf16_compute} on {device}; {why})"
 
 
 def fp8_gemm_note(cfg) -> str:

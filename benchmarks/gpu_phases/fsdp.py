@@ -123,7 +123,7 @@ def step_with_grads(engine, b) -> tuple[dict, dict]:
 
     engine.optimizer.step = capture
     try:
-        return engine.train_step(b), grads
+        return engine.train_step(b).metrics, grads
     finally:
         engine.optimizer.step = step
 

@@ -117,7 +117,7 @@ def step_rows(run: Run, recipe: str, base: dict[str, float]) -> list[dict]:
 
 def measured_step(ctx, grpo_step) -> dict[str, float]:
     t0 = time.perf_counter()
-    m = grpo_step(ctx)
+    m = grpo_step(ctx).metrics
     wall = time.perf_counter() - t0
     tokens = m["response_length_mean"] * ctx.cfg.rollout.prompts_per_step * ctx.cfg.rollout.samples_per_prompt
     gen = tokens / m["generation_tokens_per_s"]

@@ -116,7 +116,7 @@ def compare_rows(run: Run) -> list[dict]:
         b = batch(run, models.block_model(run.cpu).vocab_size)
         lp_m, lp_n = mega.logprobs(b), native.logprobs(b)
         lp_diff = float((lp_m - lp_n).abs()[b.response_mask].max())
-        m_m, m_n = mega.train_step(b), native.train_step(b)
+        m_m, m_n = mega.train_step(b).metrics, native.train_step(b).metrics
         rel = {k: abs(m_m[k] - m_n[k]) / max(abs(m_n[k]), 1e-12) for k in ("loss", "grad_norm")}
         times = {}
         for name, engine in (("megatron", mega), ("native", native)):

@@ -1,7 +1,7 @@
 """The run's diagnostics hook: catalogue metrics per step, worst-token tables, saved rollout batches.
 
-    grpo_step:  metrics.update(observe_step(ctx, batch))     # catalogue metrics; keeps the batch
-    run loop:   after_step(ctx, sink, step)                   # tables and rollouts, from that batch
+    grpo_step:  metrics.update(observe_step(batch, mesh))      # catalogue metrics of the step's batch
+    run loop:   after_step(cfg, tokenizer, model_config, result.batch, sink, step)   # tables and rollouts
 
 Files under the run's output_dir (rank 0 only writes them, as everything else a run writes):
 - `diagnostics/worst_tokens.jsonl`: every `diagnostics.worst_tokens_every` steps, the k valid tokens with
@@ -23,28 +23,28 @@ from typing import Any
 
 import torch
 
+from fp8rl_core.config import RunConfig
 from fp8rl_core.config.schema import to_dict
 from fp8rl_core.diagnostics.catalogue import all_reduce_sums, reduce_with, step_diagnostics
+from fp8rl_core.distributed.mesh import Mesh
+from fp8rl_core.engines.base import TrainBatch
 from fp8rl_core.io.checkpoint import list_checkpoints
+from fp8rl_core.model.config import ModelConfig
+from fp8rl_core.model.tokenizer import Tokenizer
+from fp8rl_core.tracking.sink import MetricSink
 
 WORST_TOKENS_FILE = "diagnostics/worst_tokens.jsonl"
 ROLLOUTS_DIR = "rollouts"
 ARTIFACT_DIR = "diagnostics"
 WORST_TOKEN_FIELDS = ("step", "rank", "row", "position", "prompt", "context", "token", "token_id",
                       "train_logprob", "gen_logprob", "abs_diff", "is_weight")
-_BATCH_ATTR = "diagnostics_batch"  # the step's TrainBatch, kept on the RunContext for after_step
 
 
-def observe_step(ctx: Any, batch: Any) -> dict[str, float]:
-    """The grpo_step hook: the catalogue's metrics of the step's batch (old vs gen log-probs, IS weights).
-
-    Also keeps `batch` on ctx for `after_step` (worst tokens, saved rollouts): the step returns only metrics.
-    """
-    setattr(ctx, _BATCH_ATTR, batch)
+def observe_step(batch: TrainBatch, mesh: Mesh | None = None) -> dict[str, float]:
+    """The grpo_step hook: the catalogue's metrics of the step's batch (old vs gen log-probs, IS weights)."""
     # under data parallelism the sums are all-reduced over the run's mesh, so every metric is global and
     # token-weighted (world size 1: no collective)
-    mesh = getattr(ctx, "mesh", None)
-    reduce = reduce_with(mesh) if getattr(mesh, "distributed", False) else all_reduce_sums
+    reduce = reduce_with(mesh) if mesh is not None and mesh.distributed else all_reduce_sums
     return step_diagnostics(batch.old_logprobs, batch.gen_logprobs, batch.response_mask, batch.is_weights,
                             reduce=reduce)
 
@@ -182,24 +182,23 @@ def rollout_path(out_dir: str | Path, step: int) -> Path:
     return Path(out_dir) / ROLLOUTS_DIR / f"step_{step:08d}.pt"
 
 
-def after_step(ctx: Any, sink: Any, step: int) -> None:
-    """The run loop's hook after logging step `step`: worst-token table, saved rollout, artifact upload."""
-    batch = ctx.__dict__.pop(_BATCH_ATTR, None)
-    cfg = ctx.cfg
-    spec = getattr(cfg, "diagnostics", None)
-    if batch is None or spec is None or _rank() != 0:
+def after_step(cfg: RunConfig, tokenizer: Tokenizer, model_config: ModelConfig | None, batch: TrainBatch | None,
+               sink: MetricSink, step: int) -> None:
+    """The run loop's hook after logging step `step` (its batch: grpo_step's StepResult.batch): worst-token
+    table, saved rollout, artifact upload. model_config: the generating engine's (saved with the rollout)."""
+    spec = cfg.diagnostics
+    if batch is None or _rank() != 0:
         return  # rank 0 alone writes the run's files (its own share of the batch, under data parallelism)
     out = Path(cfg.output_dir)
     table = out / WORST_TOKENS_FILE
     if spec.worst_tokens_every > 0 and step % spec.worst_tokens_every == 0:
         rows = worst_tokens(batch.input_ids, batch.attention_mask, batch.response_mask, batch.old_logprobs,
-                            batch.gen_logprobs, batch.is_weights, ctx.tokenizer, spec.worst_tokens_k,
+                            batch.gen_logprobs, batch.is_weights, tokenizer, spec.worst_tokens_k,
                             spec.context_tokens, step)
         append_rows(table, step, rows)
     if spec.save_rollouts and (step == 1 or find_checkpoint(out / "checkpoints", step - 1) is not None):
-        model_cfg = getattr(ctx.gen, "config", None)
         save_rollout(rollout_path(out, step), batch, step, step - 1, to_dict(cfg),
-                     model_cfg.to_hf_dict() if hasattr(model_cfg, "to_hf_dict") else {})
+                     model_config.to_hf_dict() if model_config is not None else {})
         prune_rollouts(out)
     if table.exists() and (step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps):
         sink.log_artifact(table, ARTIFACT_DIR)  # shipped as a copy: the MLflow table is as fresh as the checkpoint

@@ -5,11 +5,14 @@ Shapes: B sequences; R response tokens; T = prompt + response tokens of a traini
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Protocol
 
 import torch
+
+from fp8rl_core.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,14 @@ class GenerationOutput:
 
 
 class GenerationEngine(Protocol):
+    """What the loop calls on a generation engine (native_gen.py, vllm_gen.py, bf16_eval.py). An engine without
+    a sleep mode keeps its weights: `sleep` and `awake` do nothing there, `start` nothing either."""
+
     generator: torch.Generator  # the sampling stream; checkpointed so that a resumed run samples the same
+    config: ModelConfig  # the architecture it runs (saved with a rollout for `explain`)
+
+    def start(self, model_dir: str | Path) -> None:
+        """Start on the HF checkpoint folder `model_dir` before any refit (vLLM: its server and sleep mode)."""
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Load trainer weights (HF state_dict names); FP8 recipes quantize linears [128,128] here, once."""
@@ -49,20 +59,28 @@ class GenerationEngine(Protocol):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample continuations of token-id prompts (any lengths) with a KV cache."""
 
+    def score(self, prompts: list[list[int]], output: GenerationOutput, temperature: float) -> torch.Tensor:
+        """Float32[B, R]: the log-probs of `output`'s tokens replaying generate's own computation
+        (engines.kernels: matched; 0 off output.response_mask). An engine that cannot replay raises."""
 
-def awake(engine: Any) -> contextlib.AbstractContextManager:
-    """Hold a generation engine awake over several generate calls (its `awake()`; the vLLM engine would
-    otherwise sleep after each one, fp8rl_core/engines/vllm_gen.py); nothing for an engine without sleep."""
-    hold = getattr(engine, "awake", None)
-    return hold() if hold is not None else contextlib.nullcontext(engine)
+    def sleep(self, level: int = 2) -> None:
+        """Release GPU memory: level 2 when the next use is a refit, 1 when the same weights serve again."""
+
+    def awake(self) -> contextlib.AbstractContextManager:
+        """Hold the engine awake over several generate calls (vLLM would sleep after each one)."""
+
+    def tags(self) -> dict[str, str]:
+        """What runs the engine (version, device, FP8 kernels), as MLflow tags; {} when nothing to say."""
 
 
-def sleep(engine: Any, level: int) -> None:
-    """Release a generation engine's GPU memory: level 2 when its next use is a refit, 1 when the same
-    weights serve again (vllm_gen.py); nothing for an engine without sleep."""
-    release = getattr(engine, "sleep", None)
-    if release is not None:
-        release(level=level)
+def awake(engine: GenerationEngine) -> contextlib.AbstractContextManager:
+    """Hold a generation engine awake over several generate calls (GenerationEngine.awake)."""
+    return engine.awake()
+
+
+def sleep(engine: GenerationEngine, level: int) -> None:
+    """Release a generation engine's GPU memory (GenerationEngine.sleep; vllm_gen.py)."""
+    engine.sleep(level=level)
 
 
 @dataclass
@@ -94,15 +112,46 @@ class TrainBatch:
         return TrainBatch(*(pick(getattr(self, f)) for f in self.__dataclass_fields__))
 
 
-class TrainingEngine(Protocol):
+@dataclass(frozen=True)
+class TrainResult:
+    """What TrainingEngine.train_step returns.
+
+    metrics:      loss, grad_norm, lr, ... (names per the MLflow contract, docs/design.md)
+    old_logprobs: Float32[B, T] the old log-probs the step used, 0 off response_mask (the training forward's
+                  own, detached, when the batch came without them); None where the engine does not report
+                  them (TrainingEngine.reports_old_logprobs False)
+    is_weights:   Float32[B, T] the IS weights the step used, or None (as old_logprobs)
+    """
+
+    metrics: dict[str, float]
+    old_logprobs: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+
+
+Importance = Callable[[TrainBatch], torch.Tensor]  # sub-batch with old_logprobs -> IS weights Float32[b, T]
+
+
+class LogprobEngine(Protocol):
+    """Scores batches only: the frozen reference policy of the KL term (native_train.ReferencePolicy)."""
+
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Float32[B, T]: log p(input_ids[:, t] | input_ids[:, :t]) / temperature-scaled, no grad;
         0 where response_mask is False (position 0 is never a response token)."""
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of the GRPO loss on `batch`; returns metrics (loss, grad_norm, ...)."""
 
-    def weights(self) -> dict[str, torch.Tensor]:
+class TrainingEngine(LogprobEngine, Protocol):
+    # True: train_step(batch without old_logprobs, importance=...) scores the batch in its own forward and
+    # returns the old log-probs and IS weights it used (TrainResult), which saves the separate scoring pass
+    reports_old_logprobs: bool
+
+    def train_step(self, batch: TrainBatch, importance: Importance | None = None,
+                   step_mismatch: float | None = None) -> TrainResult:
+        """One optimizer step of the GRPO loss on `batch`: its metrics (loss, grad_norm, ...) and, where
+        reports_old_logprobs, the old log-probs / IS weights it used. importance: IS weights of a sub-batch
+        from its old log-probs (when the batch has none); step_mismatch: the rollout step's mismatch for
+        the mismatch guard (engines/guard.py), None: the guard measures this batch."""
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
         """Current weights, HF state_dict names, for refitting the generation engine."""
 
     def state_dict(self) -> dict:

@@ -61,33 +61,33 @@ class KVCache:
         self.visible[:, :, :, slot] = 0.0
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, emulate_bf16: bool = False) -> torch.Tensor:
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast_bf16: bool = False) -> torch.Tensor:
     """q [B, Hq, T, D], k/v [B, Hkv, T, D] of unpadded equal-length prompts -> [B, T, Hq * D].
 
     Causal softmax(q k^T / sqrt(D)) v per head, K/V shared by groups of Hq / Hkv query heads.
-    emulate_bf16: BF16 operands attended in FP32 and rounded once (model/bf16.py).
+    upcast_bf16: BF16 operands attended in FP32 and rounded once (model/bf16.py).
     """
-    out = bf16.sdpa(q, k, v, emulate=emulate_bf16, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    out = bf16.sdpa(q, k, v, emulate=upcast_bf16, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     bias: torch.Tensor, emulate_bf16: bool = False) -> torch.Tensor:
+                     bias: torch.Tensor, upcast_bf16: bool = False) -> torch.Tensor:
     """One new token per row against the cache.
 
     q [B, Hq, D]; k/v [B, Hkv, S, D] (the whole cache, the new token's slot written);
     bias Float32[B, 1, 1, S] (0 on visible slots, -inf elsewhere; KVCache.visible) -> [B, Hq * D].
     scores = (q_g k^T) / sqrt(D) + bias in FP32, p = softmax(scores), out = p v, where q_g [B, Hkv, G, D]
-    groups the G = Hq / Hkv query heads that read the same KV head. emulate_bf16: both BF16 batched
+    groups the G = Hq / Hkv query heads that read the same KV head. upcast_bf16: both BF16 batched
     matmuls run in FP32 on the upcast operands and round to BF16 (model/bf16.py), as the native ones return.
     """
     (b, hq, d), (hkv, s) = q.shape, k.shape[1:3]
     qg = q.reshape(b * hkv, hq // hkv, d)
-    scores = bf16.bmm(qg, k.view(b * hkv, s, d).transpose(1, 2), emulate_bf16).float()  # [B*Hkv, G, S]
+    scores = bf16.bmm(qg, k.view(b * hkv, s, d).transpose(1, 2), upcast_bf16).float()  # [B*Hkv, G, S]
     scores = scores.view(b, hkv, hq // hkv, s).mul_(d ** -0.5).add_(bias)
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b * hkv, hq // hkv, s)
-    return bf16.bmm(probs, v.view(b * hkv, s, d), emulate_bf16).view(b, hq * d)
+    return bf16.bmm(probs, v.view(b * hkv, s, d), upcast_bf16).view(b, hq * d)
 
 
 def group_prompts(prompts: list[list[int]], device: torch.device

@@ -42,7 +42,7 @@ from torch import nn
 
 from fp8rl_core.config import LossSpec, MegatronSpec, OptimSpec
 from fp8rl_core.config.recipe import BF16, Quantization, Recipe
-from fp8rl_core.engines.base import TrainBatch
+from fp8rl_core.engines.base import Importance, TrainBatch, TrainResult
 from fp8rl_core.engines.megatron_convert import (
     FP32_SCALES_ENV,
     fp8_env,
@@ -253,6 +253,8 @@ class MegatronTrainingEngine:
     Weights in and out use HF names (weights(), state_dict()["model"]), so a checkpoint is portable.
     """
 
+    reports_old_logprobs = False  # train_step reports metrics only: the loop scores the batch first
+
     def __init__(self, path: str | Path, *, recipe: Recipe, megatron: MegatronSpec, loss: LossSpec,
                  optim: OptimSpec, temperature: float, compute_dtype: torch.dtype, seed: int) -> None:
         require_megatron(recipe.fp8_training)
@@ -298,9 +300,13 @@ class MegatronTrainingEngine:
         """Float32[B, T] log-probs of batch.input_ids (temperature-scaled), 0 off response_mask."""
         return self.inner.logprobs(batch)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One AdamW step of grpo.policy_loss: the native trainer's step, loss and metrics."""
-        return self.inner.train_step(batch)
+    def train_step(self, batch: TrainBatch, importance: Importance | None = None,
+                   step_mismatch: float | None = None) -> TrainResult:
+        """One AdamW step of grpo.policy_loss: the native trainer's step, loss and metrics. Its old log-probs
+        are not reported (reports_old_logprobs False): the loop scores the batch first (`logprobs`)."""
+        if importance is not None:
+            raise ValueError("MegatronTrainingEngine: reports_old_logprobs is False; score the batch first")
+        return TrainResult(self.inner.train_step(batch, step_mismatch=step_mismatch).metrics)
 
     def sft_step(self, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                  attention_mask: torch.Tensor | None = None) -> dict[str, float]:

@@ -35,6 +35,7 @@ tensor to one scale). `quantized_linear` quantizes one unfused matrix (e.g. an F
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class FusedLinear:
     power_of_two: bool = False
     check_finite: bool = False
     packed: torch.Tensor | None = None  # oneDNN-blocked copy of `weight` (BF16 on CPU), see pack_for_cpu
-    # emulated BF16 (model.bf16_compute: emulated; model/bf16.py): FP32 copies of the BF16 weight and bias,
+    # emulated BF16 (the emulated BF16 path; model/bf16.py): FP32 copies of the BF16 weight and bias,
     # made once per refit (exact), that the product runs on
     upcast: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -116,7 +117,7 @@ class Block:
 
 
 def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spec: Quantization | None,
-                emulate_bf16: bool = False) -> FusedLinear:
+                upcast_bf16: bool = False) -> FusedLinear:
     """Concatenate [N_i, K] weights along N (biases likewise); quantize when spec is given (FP8 layer).
 
     For block128 every shard of a fused weight is zero-padded to a multiple of 128 rows first (a single
@@ -147,7 +148,7 @@ def fuse_linear(mats: list[torch.Tensor], biases: list[torch.Tensor | None], spe
         if has_bias else None
     if spec is None:
         linear = FusedLinear(weight, bias, starts, sizes)
-        if emulate_bf16 and weight.dtype == torch.bfloat16:  # upcast once per refit, not per call (exact)
+        if upcast_bf16 and weight.dtype == torch.bfloat16:  # upcast once per refit, not per call (exact)
             linear.upcast = (weight.float(), None if bias is None else bias.float())
         linear.pack_for_cpu()
         return linear
@@ -199,22 +200,22 @@ class NativeGenerationEngine:
     config: the architecture; recipe: its `generation` side quantizes the block linears (None: all in
     `dtype`), its kept first/last blocks stay in `dtype`; dtype: dtype of the weight copy, activations,
     KV cache and logits (BF16; FP32 for tests); seed: seeds the engine's sampling generator;
-    emulate_bf16: run every BF16 matrix product (linears, attention, LM head) as FP32 on the upcast
-    operands, rounded to BF16 (model.bf16_compute: emulated; fp8rl_core/model/bf16.py).
+    upcast_bf16: run every BF16 matrix product (linears, attention, LM head) as FP32 on the upcast
+    operands, rounded to BF16 (the emulated BF16 path; fp8rl_core/model/bf16.py).
     """
 
     def __init__(self, config: ModelConfig, *, recipe: Recipe = BF16, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", seed: int = 0, emulate_bf16: bool = False) -> None:
+                 device: torch.device | str = "cpu", seed: int = 0, upcast_bf16: bool = False) -> None:
         self.config, self.recipe, self.dtype = config, recipe, dtype
         self.fp8 = recipe.fp8_generation
-        self.emulate_bf16 = bool(emulate_bf16) and dtype == torch.bfloat16
+        self.upcast_bf16 = bool(upcast_bf16) and dtype == torch.bfloat16
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.blocks: list[Block] = []
         self.embed: torch.Tensor | None = None
         self.final_norm: torch.Tensor | None = None
         self.lm_head: torch.Tensor | None = None
-        self._head32: torch.Tensor | None = None  # emulate_bf16: the LM head's FP32 copy (exact), per refit
+        self._head32: torch.Tensor | None = None  # upcast_bf16: the LM head's FP32 copy (exact), per refit
         self._head_q: FusedLinear | None = None  # fp8.lm_head fp8: the quantized LM head, per refit
         self._cos, self._sin = rope_cache(config.head_dim, config.rope_theta,
                                           min(config.max_position_embeddings, ROPE_CACHE_START), dtype,
@@ -255,7 +256,7 @@ class NativeGenerationEngine:
             p = f"model.layers.{i}."
             spec = quant if self.is_fp8_block(i) else None
             w = src if spec is not None else get
-            fuse = lambda mats, biases, spec=spec: fuse_linear(mats, biases, spec, self.emulate_bf16)  # noqa: E731
+            fuse = lambda mats, biases, spec=spec: fuse_linear(mats, biases, spec, self.upcast_bf16)  # noqa: E731
             attn, mlp = [p + f"self_attn.{n}_proj." for n in "qkv"], [p + f"mlp.{n}_proj." for n in ("gate", "up")]
             blocks.append(Block(
                 attn_norm=get(p + "input_layernorm.weight"),
@@ -269,7 +270,7 @@ class NativeGenerationEngine:
         self.final_norm = get("model.norm.weight")
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         self.lm_head = self.embed if self.config.tie_word_embeddings else get(head)
-        self._head32 = self.lm_head.float() if self.emulate_bf16 else None
+        self._head32 = self.lm_head.float() if self.upcast_bf16 else None
         # fp8.lm_head fp8: the head's linear quantized like the blocks' (recipe.lm_head; embeddings stay)
         fp8_head = quant is not None and self.recipe.lm_head == "fp8"
         self._head_q = quantized_linear(src(head), quant) if fp8_head else None
@@ -330,7 +331,7 @@ class NativeGenerationEngine:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [U, H, L, D]
                 if cache is not None:
                     cache.write_rows(i, rows, start, k[which], v[which])
-                return prefill_attention(q, k, v, self.emulate_bf16)
+                return prefill_attention(q, k, v, self.upcast_bf16)
 
             yield rows, which, self._forward(ids, torch.arange(ids.shape[1], device=self.device), attend)
 
@@ -338,9 +339,28 @@ class NativeGenerationEngine:
         """tokens, positions Long[B] written at cache slot `slot` -> hidden [B, hidden]."""
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write(i, slot, k, v)
-            return decode_attention(q, cache.k[i], cache.v[i], cache.visible, self.emulate_bf16)
+            return decode_attention(q, cache.k[i], cache.v[i], cache.visible, self.upcast_bf16)
 
         return self._forward(tokens, positions, attend)
+
+    # ---- lifecycle (GenerationEngine): no server, no sleep mode -------------------------------------
+    def start(self, model_dir: object = None) -> None:
+        """Nothing to start: the first refit builds the weight copy."""
+
+    def sleep(self, level: int = 2) -> None:
+        """Nothing to release: the weight copy serves until the next refit (`release` drops it)."""
+
+    def awake(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(self)
+
+    def tags(self) -> dict[str, str]:
+        return {}
+
+    def release(self) -> None:
+        """Drop the weight copy (blocks, embedding, final norm, LM head and its FP32 / FP8 copies): the
+        next use must be a refit (generate raises before)."""
+        self.blocks = []
+        self.embed = self.final_norm = self.lm_head = self._head32 = self._head_q = None
 
     def _check_ready(self) -> None:
         if not self.blocks:

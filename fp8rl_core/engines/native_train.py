@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
 import torch
@@ -37,9 +37,9 @@ from fp8rl_core.config.recipe import BF16, Recipe
 from fp8rl_core.distributed import parallel
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.distributed.parallel import GatheredWeights, shard_model
-from fp8rl_core.engines.base import TrainBatch
+from fp8rl_core.engines.base import Importance, TrainBatch, TrainResult
 from fp8rl_core.engines.guard import StepGuard
-from fp8rl_core.model.bf16 import emulate_bf16_matmuls
+from fp8rl_core.model.bf16 import upcast_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
 from fp8rl_core.model.llama import CausalLM
 from fp8rl_core.model.packing import Packed, pack
@@ -120,9 +120,6 @@ def _rows(batch: TrainBatch, rows: slice) -> TrainBatch:
 # token count); ratio_max takes the max.
 _SHARE, _MEAN = ("loss", "pg_loss", "kl"), ("clip_fraction", "ratio_mean", "entropy")
 
-Importance = Callable[[TrainBatch], torch.Tensor]  # sub-batch with old_logprobs set -> is_weights [b, T]
-
-
 GRAD_REDUCE = ("micro_batch", "step")  # when sharded gradients are reduce-scattered (see grad_reduce)
 
 
@@ -133,8 +130,8 @@ class NativeTrainingEngine:
     recipe:       what it quantizes (fp8rl_core/config/recipe.py): with a `training` side its linear layers
                   (but the kept blocks and lm_head) are swapped for Fp8Linear in place.
     compute_dtype: torch.bfloat16 (autocast) or torch.float32 (no autocast; for tests).
-    emulate_bf16: the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
-                  BF16 operands and round to BF16 (model.bf16_compute: emulated; model/bf16.py).
+    upcast_bf16:  the BF16 products (plain linears, lm_head, attention) run in FP32 on their upcast
+                  BF16 operands and round to BF16 (the emulated BF16 path; model/bf16.py).
     recipe.training.quantize_from: "bf16" quantizes the BF16 rounding of each master weight (what the
                   generation engine quantizes), "master" the FP32 master itself.
     optim:        AdamW(lr, betas, eps, weight_decay on every parameter), grad_clip (<= 0: off).
@@ -156,12 +153,14 @@ class NativeTrainingEngine:
     One `train_step` is one optimizer step; the caller splits a rollout batch into micro-steps.
     """
 
+    reports_old_logprobs = True  # train_step returns the old log-probs / IS weights it used (TrainResult)
+
     def __init__(self, model: CausalLM, *, recipe: Recipe = BF16, loss: LossSpec | None = None,
                  optim: OptimSpec | None = None, temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None, micro_batch_size: int = 0,
                  logprob_batch_size: int = 0, cpu_offload: bool = False,
                  activation_checkpointing: bool = False, grad_reduce: str = "micro_batch",
-                 reshard_after_forward: bool = True, emulate_bf16: bool = False, padding_free: bool = False,
+                 reshard_after_forward: bool = True, upcast_bf16: bool = False, padding_free: bool = False,
                  guard: MismatchGuardSpec | None = None, mixed_precision: str = "none") -> None:
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce: {grad_reduce!r} not allowed; valid: {', '.join(GRAD_REDUCE)}")
@@ -177,9 +176,9 @@ class NativeTrainingEngine:
         self.guard_spec = guard if guard is not None and guard.enabled else None
         self.loss_spec, self.optim_spec = loss or LossSpec(), optim or OptimSpec()
         self.fp8_modules = apply_fp8(model, recipe, compute_dtype) if recipe.fp8_training else []
-        self.emulate_bf16 = bool(emulate_bf16) and compute_dtype == torch.bfloat16
-        if self.emulate_bf16:
-            emulate_bf16_matmuls(model)
+        self.upcast_bf16 = bool(upcast_bf16) and compute_dtype == torch.bfloat16
+        if self.upcast_bf16:
+            upcast_bf16_matmuls(model)
         self.mesh = mesh or SINGLE
         self.micro_batch_size, self.logprob_batch_size = int(micro_batch_size), int(logprob_batch_size)
         self._device = next(model.parameters()).device  # the compute device (shards may be offloaded)
@@ -190,8 +189,6 @@ class NativeTrainingEngine:
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps,
                                            weight_decay=o.weight_decay)
         self.step = 0
-        self.last_old_logprobs: torch.Tensor | None = None  # what the last train_step used (see there)
-        self.last_is_weights: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -212,14 +209,14 @@ class NativeTrainingEngine:
         return _chunked_logprobs(self._forward, batch, self.temperature, self.logprob_batch_size)
 
     def train_step(self, batch: TrainBatch, importance: Importance | None = None,
-                   step_mismatch: float | None = None) -> dict[str, float]:
+                   step_mismatch: float | None = None) -> TrainResult:
         """One AdamW step on grpo.policy_loss of `batch` (this rank's rows of the global batch).
 
         Needs batch.advantages; batch.old_logprobs None means on-policy: the training forward's own
         log-probs, detached, are the old log-probs (ratio exp(lp - lp.detach()) = 1 with the policy
         gradient), and then `importance(sub_batch)` gives the IS weights from them when is_weights is
-        None. Afterwards `last_old_logprobs` / `last_is_weights` hold the [B, T] ones the step used
-        (0 off response_mask; the batch itself is not modified).
+        None. The result holds the [B, T] old log-probs / IS weights the step used (0 off response_mask;
+        the batch itself is not modified).
         With the guard on (engines/guard.py) it may leave sequences out of the loss or skip the update (the
         loss and grad norm are still computed and returned, with the guard_* metrics); step_mismatch: the
         rollout step's global token_mult_prob_error when this batch is one of its optimizer steps (None:
@@ -241,12 +238,12 @@ class NativeTrainingEngine:
             metrics = {**metrics, "loss": float(loss.detach()), "entropy": masked_mean(entropy, mask)}
         else:
             metrics, grad_norm = self._accumulated_step(work, chunks, importance, guard)
-        self.last_old_logprobs, self.last_is_weights = work.old_logprobs, work.is_weights
         n_tokens = int(batch.attention_mask.sum()) if batch.attention_mask is not None else batch.input_ids.numel()
         n_tokens = int(self.mesh.all_reduce_sum([n_tokens])[0])
-        return {**metrics, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-                "train_tokens_per_s": n_tokens / max(time.perf_counter() - t0, 1e-9),
-                **(guard.metrics() if guard is not None else {})}
+        metrics = {**metrics, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                   "train_tokens_per_s": n_tokens / max(time.perf_counter() - t0, 1e-9),
+                   **(guard.metrics() if guard is not None else {})}
+        return TrainResult(metrics, work.old_logprobs, work.is_weights)
 
     def _loss(self, batch: TrainBatch, importance: Importance | None, num_tokens: float | None,
               guard: StepGuard | None = None):
@@ -451,13 +448,13 @@ class ReferencePolicy:
     def __init__(self, model: CausalLM, *, device: torch.device | str, recipe: Recipe = BF16,
                  temperature: float = 1.0,
                  compute_dtype: torch.dtype = torch.bfloat16, mesh: Mesh | None = None,
-                 logprob_batch_size: int = 0, cpu_offload: bool = False, emulate_bf16: bool = False,
+                 logprob_batch_size: int = 0, cpu_offload: bool = False, upcast_bf16: bool = False,
                  padding_free: bool = False) -> None:
         model.requires_grad_(False).eval()
         if recipe.fp8_training:
             apply_fp8(model, recipe, compute_dtype)
-        if emulate_bf16 and compute_dtype == torch.bfloat16:
-            emulate_bf16_matmuls(model)
+        if upcast_bf16 and compute_dtype == torch.bfloat16:
+            upcast_bf16_matmuls(model)
         self.mesh, self.device = mesh or SINGLE, torch.device(device)
         self.offload = cpu_offload and not self.mesh.distributed and self.device.type != "cpu"
         self.model = model.to("cpu" if self.offload else self.device)

@@ -282,7 +282,8 @@ class VllmGenerationEngine:
                 "start: vLLM's CuMemAllocator is one per process and the worker's memory pool asserts it is empty "
                 "('CuMem allocator can only be used for one instance per process', vllm 0.32 "
                 "v1/worker/gpu_worker.py); valid: one vLLM engine per process (the run's BF16 evaluation engine is "
-                "native, loop/builder.py BF16Evaluator), close() the first, or engines.vllm.sleep_between_steps=false")
+                "native, engines/bf16_eval.py BF16Evaluator), close() the first, or "
+                "engines.vllm.sleep_between_steps=false")
         device = self._set_device()
         if self.device == "cuda":
             free, total = torch.cuda.mem_get_info()
@@ -424,6 +425,12 @@ class VllmGenerationEngine:
         if not self.held:
             self.sleep(level=2)  # the trainer runs next, then the refit overwrites the weights
         return out
+
+    def score(self, prompts: list[list[int]], output: GenerationOutput, temperature: float) -> torch.Tensor:
+        """Not supported: vLLM's computation cannot be replayed here (engines.kernels matched needs native
+        engines; config validation refuses it)."""
+        raise NotImplementedError("VllmGenerationEngine.score: engines.kernels matched replays the native "
+                                  "generation engine only")
 
     def close(self) -> None:
         """Drop the vLLM engine and return its GPU memory (best effort: vLLM keeps some process state)."""

@@ -26,18 +26,17 @@ from typing import Any
 
 import torch
 
-from fp8rl_core.config import recipe_of, resolve_recipe, run_config_from_dict
+from fp8rl_core.config import RunConfig, recipe_of, resolve_recipe, run_config_from_dict
 from fp8rl_core.diagnostics.catalogue import step_diagnostics
 from fp8rl_core.diagnostics.tokens import ROLLOUTS_DIR, find_checkpoint, worst_tokens
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.explain.attribution import GenKernels, TrainKernels, VariantResult, compare
 from fp8rl_core.io import checkpoint as ckpt
-from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
+from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer, resolve_setup
 from fp8rl_core.model import load_pretrained
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.fp8_policy import apply_fp8, quantize_source
 from fp8rl_core.model.llama import CausalLM
-from fp8rl_core.tasks import make_task
 
 VARIANTS = {
     "bf16": "BF16 in both engines (training kernels on both sides): the replay's own noise floor",
@@ -75,10 +74,11 @@ def load_policy_weights(ckpt_path: Path, model_config: Any) -> dict[str, torch.T
     return weights
 
 
-def generating_weights(run_dir: Path, cfg: Any, model_config: Any, weights_step: int) -> dict[str, torch.Tensor]:
+def generating_weights(run_dir: Path, cfg: RunConfig, model_config: ModelConfig, weights_step: int
+                       ) -> dict[str, torch.Tensor]:
     """The weights of checkpoint `weights_step` (0: the run's initial weights, the cached warm start)."""
     if weights_step == 0:
-        path = initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False)
+        path = initial_checkpoint(resolve_setup(cfg, "cpu"), progress=False)
         return dict(load_pretrained(path, dtype=torch.float32).state_dict())
     found = find_checkpoint(run_dir / "checkpoints", weights_step)
     if found is None:
@@ -93,7 +93,7 @@ def replayable_steps(run_dir: Path) -> list[int]:
 
 
 # --- the variants -------------------------------------------------------------------------------------
-def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: Any, model_config: Any):
+def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: RunConfig, model_config: ModelConfig):
     """(name, side A, side B) for each requested variant."""
 
     model = CausalLM(model_config)
@@ -150,8 +150,7 @@ def explain(run_dir: Path, step: int | None = None, variants: list[str] | None =
     cfg = run_config_from_dict(json.loads(r["run_config"]), where=f"{run_dir} rollout {step}")
     hf = json.loads(r["model_config"]) if r.get("model_config") not in (None, "{}") else None
     if hf is None:
-        hf = json.loads((initial_checkpoint(cfg, load_tokenizer(cfg), make_task(cfg.task), False)
-                         / "config.json").read_text())
+        hf = json.loads((initial_checkpoint(resolve_setup(cfg, "cpu"), False) / "config.json").read_text())
     model_config = ModelConfig.from_hf_dict(hf)
     weights = generating_weights(run_dir, cfg, model_config, int(r["weights_step"]))
     n = r["input_ids"].shape[0] if rows is None else min(rows, r["input_ids"].shape[0])

@@ -1,38 +1,40 @@
 """What one rank of a run holds while it runs: config, tokenizer, task, engines, RNG streams, mesh.
 
 Built once by loop/builder.py and handed to every part of the loop (step, evaluate, run, diagnostics),
-so that no part rebuilds or re-resolves what the builder decided: the recipe object is resolved here
-once, the engines are constructed once, and the BF16 evaluation engine is refit lazily.
+so that no part rebuilds or re-resolves what the builder decided: the recipe object, tokenizer and task
+come from the run's setup (loop/setup.py, resolved once), the engines are constructed once, and the BF16
+evaluation engine is refit lazily.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from fp8rl_core.config import RunConfig
 from fp8rl_core.config.recipe import BF16, Recipe
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
-from fp8rl_core.engines.base import GenerationEngine, TrainingEngine
+from fp8rl_core.engines.base import GenerationEngine, LogprobEngine, TrainingEngine
+from fp8rl_core.model.tokenizer import Tokenizer
+from fp8rl_core.tasks import Task
 
 
 @dataclass
 class RunContext:
     cfg: RunConfig
-    tokenizer: Any
-    task: Any
+    tokenizer: Tokenizer
+    task: Task
     gen: GenerationEngine
     train: TrainingEngine
-    ref: TrainingEngine | None  # frozen reference policy for the KL term (kl_coef > 0)
+    ref: LogprobEngine | None  # frozen reference policy for the KL term (kl_coef > 0)
     data_rng: random.Random  # prompt sampling, the same on every rank; its state is checkpointed
     shuffle: torch.Generator  # minibatch order; its state is checkpointed
     mesh: Mesh = SINGLE  # this process's rank and world size (fp8rl_core/distributed)
     # a BF16 generation engine beside the arm's: the engine-neutral evaluation (val_accuracy_bf16_eval) and,
     # for fp8_gen, the matched-kernel replay at the trainer's precision. Native generation: None for a recipe
     # that generates in BF16 (its own engine serves); vLLM: the native BF16 evaluator for every recipe
-    # (builder.BF16Evaluator). Refit lazily, only when used (bf16_engine)
+    # (engines/bf16_eval.py). Refit lazily, only when used (bf16_engine)
     bf16_gen: GenerationEngine | None = None
     recipe: Recipe = BF16  # the run's recipe, resolved once (config.recipe_of): what each engine quantizes
     numerics: dict[str, str] = field(default_factory=dict)  # what ran: BF16 path, CPU flags (MLflow tags)

@@ -93,7 +93,7 @@ def _validate(ctx: RunContext) -> dict[str, float]:
     batches dealt over the ranks, rewards all-reduced). Validation on the arm's own generation engine, and
     `val_accuracy_bf16_eval`: the same prompts and sampling seeds through the BF16 engine (the arm's own for a
     BF16-generating recipe under native generation; under vLLM the native BF16 evaluator for every recipe,
-    builder.BF16Evaluator). On every rank the arm's engine is held awake over its batches and then sleeps at
+    engines/bf16_eval.py). On every rank the arm's engine is held awake over its batches and then sleeps at
     level 1 (its weights serve the next rollout); only then is the BF16 engine refit (a collective: from
     sharded weights an all-gather per tensor), so the two never hold the GPU together; after its batches it
     sleeps at level 2 (its next use follows a refit)."""
@@ -208,18 +208,20 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
             sink.log(0, _validate(ctx))
         for step in range(done + 1, cfg.train.steps + 1):
             try:
-                last = grpo_step(ctx)
+                result = grpo_step(ctx)
             except FloatingPointError as e:
                 check_nonfinite()  # on CUDA the quantizer's NaN/inf check is deferred: it names the tensor
                 raise RunFailed(f"step {step}: {e}") from e
             check_nonfinite()  # the deferred check's one GPU->CPU sync per step (fp8/quant.py); nothing on a CPU
+            last = result.metrics
             if rank0 and (note := guard_note(last, cfg.train.mismatch_guard)):
                 log.warning("step %d: %s", step, note)  # the run's stderr log, beside its metrics
             if _is_val_step(cfg, step):
                 last.update(_validate(ctx))
             sink.log(step, last)
             if rank0:
-                after_step(ctx, sink, step)  # worst-token table, rollout for `explain` (fp8rl_core/diagnostics)
+                # worst-token table, rollout for `explain` (fp8rl_core/diagnostics), from this step's batch
+                after_step(cfg, ctx.tokenizer, ctx.gen.config, result.batch, sink, step)
             bar.update(1)
             bar.set_postfix(reward=f"{last[M_REWARD]:.2f}", mismatch=f"{last[M_MISMATCH]:.4f}",
                             val=f"{last.get(M_VAL_ACC, float('nan')):.2f}", refresh=False)

@@ -31,7 +31,7 @@ rounding, gradients to the rounding of per-rank partial sums.
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -41,11 +41,21 @@ from fp8rl_core.algorithms.metrics import token_mult_prob_error, token_mult_prob
 from fp8rl_core.config import RunConfig
 from fp8rl_core.diagnostics.tokens import observe_step
 from fp8rl_core.distributed.mesh import Mesh
-from fp8rl_core.engines.base import SamplingParams, TrainBatch
+from fp8rl_core.engines.base import GenerationOutput, SamplingParams, TrainBatch
 from fp8rl_core.fp8.gemm import executor_flags
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
 from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one grpo_step returns: its metrics (global over ranks; names per the MLflow contract in
+    docs/design.md) and this rank's rollout batch (TrainBatch, with old_logprobs and is_weights filled),
+    which the run loop hands to diagnostics.after_step (worst tokens, saved rollouts)."""
+
+    metrics: dict[str, float]
+    batch: TrainBatch
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -53,7 +63,7 @@ def sampling_params(cfg: RunConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
 
 
-def _rollout(ctx: RunContext) -> tuple[list[list[int]], Any, torch.Tensor, float]:
+def _rollout(ctx: RunContext) -> tuple[list[list[int]], GenerationOutput, torch.Tensor, float]:
     """Generate this rank's share of the P x G responses. Returns (prompts [B], output, rewards
     [P/W, G], seconds); all ranks draw the same P prompts so the data stream does not depend on W."""
     P, G = ctx.cfg.rollout.prompts_per_step, ctx.cfg.rollout.samples_per_prompt
@@ -87,7 +97,8 @@ def _importance_fn(cfg: RunConfig):
     return weigh
 
 
-def replayed_logprobs(ctx: RunContext, prompts: list[list[int]], out: Any, batch: TrainBatch) -> torch.Tensor:
+def replayed_logprobs(ctx: RunContext, prompts: list[list[int]], out: GenerationOutput, batch: TrainBatch
+                      ) -> torch.Tensor:
     """engines.kernels matched: Float32[B, T] old log-probs from `ctx.replay_engine().score`, the
     generation engine's computation replayed in decode order on the trainer's weights, placed where
     batch.gen_logprobs sits (rollout.build_train_batch's layout); 0 off response_mask."""
@@ -113,13 +124,14 @@ def _train(ctx: RunContext, batch: TrainBatch, reuse: bool) -> dict[str, float]:
         sub = batch.select(rows)
         if reuse:
             sub.old_logprobs = sub.is_weights = None
-            metrics = ctx.train.train_step(sub, importance=_importance_fn(ctx.cfg))
-            batch.old_logprobs = torch.empty_like(ctx.train.last_old_logprobs).index_copy_(
-                0, rows.to(ctx.train.last_old_logprobs.device), ctx.train.last_old_logprobs)
+            result = ctx.train.train_step(sub, importance=_importance_fn(ctx.cfg))
+            old, weights = result.old_logprobs, result.is_weights
+            batch.old_logprobs = torch.empty_like(old).index_copy_(0, rows.to(old.device), old)
             batch.is_weights = torch.empty_like(batch.old_logprobs).index_copy_(
-                0, rows.to(batch.old_logprobs.device), ctx.train.last_is_weights)
+                0, rows.to(batch.old_logprobs.device), weights)
         else:
-            metrics = ctx.train.train_step(sub, **guarded)
+            result = ctx.train.train_step(sub, **guarded)
+        metrics = result.metrics
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     return {k: v / len(parts) for k, v in sums.items()}
@@ -161,8 +173,9 @@ def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: tor
             "is_fraction_truncated": per_token(trunc), "is_fraction_masked": per_token(masked)}
 
 
-def grpo_step(ctx: RunContext) -> dict[str, float]:
-    """Run one step; returns its metrics (names per the MLflow contract in docs/design.md), global over ranks."""
+def grpo_step(ctx: RunContext) -> StepResult:
+    """Run one step; returns its metrics (names per the MLflow contract in docs/design.md, global over ranks)
+    and this rank's batch (StepResult)."""
     t_start = time.perf_counter()
     loss_cfg = ctx.cfg.loss
     prompts, out, rewards, gen_s = _rollout(ctx)
@@ -171,7 +184,7 @@ def grpo_step(ctx: RunContext) -> dict[str, float]:
     batch.advantages = broadcast_advantages(adv, batch.response_mask)
     mask = batch.response_mask
     matched = ctx.cfg.engines.kernels == "matched"
-    reuse = reuses_old_logprobs(ctx.cfg) and hasattr(ctx.train, "last_old_logprobs") and not matched
+    reuse = reuses_old_logprobs(ctx.cfg) and ctx.train.reports_old_logprobs and not matched
     if matched:  # the old log-probs replay the generation engine's computation (the zero-mismatch floor)
         batch.old_logprobs = replayed_logprobs(ctx, prompts, out, batch)
         batch.is_weights = _importance_fn(ctx.cfg)(batch)
@@ -196,9 +209,9 @@ def grpo_step(ctx: RunContext) -> dict[str, float]:
         "train_time_s": train_s,
         **stats,
         **train_metrics,
-        **observe_step(ctx, batch),  # the mismatch-metric catalogue (fp8rl_core/diagnostics); keeps the batch
+        **observe_step(batch, ctx.mesh),  # the mismatch-metric catalogue (fp8rl_core/diagnostics)
         **executor_flags(),  # a CUDA GEMM fell back to BF16 output: say so in the run, not only in a warning
     }
     metrics[M_STEP_TIME] = time.perf_counter() - t_start
     metrics[M_TOKENS_PER_S] = n_resp / metrics[M_STEP_TIME]  # response tokens generated + trained per second
-    return metrics
+    return StepResult(metrics, batch)

@@ -24,6 +24,7 @@ from fp8rl_core.config import RunConfig
 from fp8rl_core.config.schema import stable_hash, to_dict
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.loop.evaluate import greedy_accuracy
+from fp8rl_core.loop.setup import RunSetup
 from fp8rl_core.model import bf16, build_model, save_pretrained
 from fp8rl_core.model.config import preset
 
@@ -35,11 +36,6 @@ def warmstart_key(cfg: RunConfig) -> str:
     if not task["scratchpad"]:
         task.pop("scratchpad")  # added later: the key of every warm start without it stays as it was
     return stable_hash({"model": model, "task": task, "warmstart": ws})
-
-
-def _emulates_bf16(cfg: RunConfig) -> bool:
-    """The warm start honours model.bf16_compute (it runs on the CPU)."""
-    return bf16.bf16_path(cfg.model.dtype, cfg.model.bf16_compute, "cpu") == "emulated"
 
 
 def sft_batch(examples: list, tokenizer: Any, task: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,35 +70,34 @@ def dev_examples(cfg: RunConfig, task: Any) -> list:
     return task.sample_train(random.Random(cfg.task.data_seed + 2), cfg.warmstart.dev_size)
 
 
-def dev_accuracy(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, examples: list) -> float:
-    """Greedy exact-match accuracy of `model` on `examples`, decoded by a BF16 generation engine."""
-
-    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    gen = NativeGenerationEngine(model.config, dtype=dtype, device="cpu", seed=0,
-                                 emulate_bf16=_emulates_bf16(cfg))
+def dev_accuracy(model: torch.nn.Module, setup: RunSetup, examples: list) -> float:
+    """Greedy exact-match accuracy of `model` on `examples`, decoded by a BF16 generation engine on the CPU."""
+    gen = NativeGenerationEngine(model.config, dtype=setup.compute_dtype, device="cpu", seed=0,
+                                 upcast_bf16=setup.warmstart_upcast_bf16)
     gen.refit(model.state_dict())
-    return greedy_accuracy(gen, tokenizer, task, examples, cfg.rollout.max_new_tokens)
+    return greedy_accuracy(gen, setup.tokenizer, setup.task, examples, setup.cfg.rollout.max_new_tokens)
 
 
-def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, progress: bool) -> dict[str, float]:
+def _train(model: torch.nn.Module, setup: RunSetup, progress: bool) -> dict[str, float]:
     """Supervised steps until `steps`, or until greedy dev accuracy >= `target_accuracy` (checked every
     `eval_every` steps). Why a target: the tiny model learns carries in a sudden drop of the loss whose
     step moves by >1000 steps with tiny numeric changes (thread count, kernels), so a fixed length
     gives RL a very different starting policy from one machine to the next; a target does not.
     Returns {"steps", "final_loss", "dev_accuracy"} (NaN where not measured)."""
+    cfg, tokenizer, task = setup.cfg, setup.tokenizer, setup.task
     ws = cfg.warmstart
     done = {"steps": 0, "final_loss": float("nan"), "dev_accuracy": float("nan")}
     if ws.steps == 0:  # RL straight from the initialization (e.g. for benchmarks)
         return done
-    if _emulates_bf16(cfg):
-        bf16.emulate_bf16_matmuls(model)  # same parameters and state_dict: the checkpoint is unchanged
+    if setup.warmstart_upcast_bf16:  # model.bf16_compute as resolved on the CPU, where the warm start runs
+        bf16.upcast_bf16_matmuls(model)  # same parameters and state_dict: the checkpoint is unchanged
     rng = random.Random(cfg.task.data_seed + 1)
     dev = dev_examples(cfg, task) if ws.target_accuracy is not None else []
     opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
     warmup = max(1, ws.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, cosine decay to 10%
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s / ws.steps, 1.0))))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.model.dtype == "bf16")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.compute_dtype == torch.bfloat16)
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, mininterval=2.0)
     for step in bar:
         ids, mask = sft_batch(task.warmstart_sample(rng, ws.batch_size), tokenizer, task)
@@ -115,15 +110,16 @@ def _train(model: torch.nn.Module, cfg: RunConfig, tokenizer: Any, task: Any, pr
         sched.step()
         done.update(steps=step + 1, final_loss=value.item())
         if dev and (step + 1) % ws.eval_every == 0:
-            done["dev_accuracy"] = dev_accuracy(model, cfg, tokenizer, task, dev)
+            done["dev_accuracy"] = dev_accuracy(model, setup, dev)
         bar.set_postfix(loss=f"{done['final_loss']:.3f}", dev_acc=f"{done['dev_accuracy']:.3f}", refresh=False)
         if done["dev_accuracy"] >= (ws.target_accuracy if dev else math.inf):
             break
     return done
 
 
-def warm_start(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool = True) -> Path:
-    """Path of the warm-start HF checkpoint for `cfg`, training it first if no process has yet."""
+def warm_start(setup: RunSetup, progress: bool = True) -> Path:
+    """Path of the warm-start HF checkpoint of the setup's config, training it first if no process has yet."""
+    cfg, tokenizer = setup.cfg, setup.tokenizer
 
     root = Path(cfg.warmstart.cache_dir)
     final = root / warmstart_key(cfg)
@@ -137,7 +133,7 @@ def warm_start(cfg: RunConfig, tokenizer: Any, task: Any, progress: bool = True)
         torch.manual_seed(cfg.task.data_seed)
         model = build_model(preset(cfg.model.preset, vocab_size=max(32, tokenizer.vocab_size)),
                             dtype=torch.float32)
-        done = _train(model, cfg, tokenizer, task, progress)
+        done = _train(model, setup, progress)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         save_pretrained(model, tmp, tokenizer=tokenizer)

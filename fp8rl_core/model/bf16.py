@@ -31,7 +31,7 @@ from torch import nn
 
 from fp8rl_core.fp8 import cpu_features
 
-BF16_COMPUTE = ("auto", "native", "emulated")
+BF16_PATHS = ("native", "emulated")  # what runs; model.bf16_compute `auto` picks one here (resolve_bf16_compute)
 # CPU flags (Linux /proc/cpuinfo names) of BF16 dot-product instructions: AVX512_BF16 `vdpbf16ps`
 # (Intel Cooper Lake+, AMD Zen 4+), AMX `tdpbf16ps` (Intel Sapphire Rapids+), Arm's BF16 extension.
 BF16_DOT_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
@@ -62,11 +62,11 @@ def recorded_flags() -> str:
 
 
 def resolve_bf16_compute(mode: str, device: str | torch.device, flags: frozenset[str] | None = None) -> str:
-    """`auto` | `native` | `emulated` -> the path that runs here: "native" or "emulated"."""
-    if mode not in BF16_COMPUTE:
-        raise ValueError(f"model.bf16_compute: {mode!r} not allowed; valid: {', '.join(BF16_COMPUTE)}")
-    if mode != "auto":
+    """`auto` | a path (BF16_PATHS) -> the path that runs here: "native" or "emulated"."""
+    if mode in BF16_PATHS:
         return mode
+    if mode != "auto":
+        raise ValueError(f"model.bf16_compute: {mode!r} not allowed; valid: auto, {', '.join(BF16_PATHS)}")
     return "native" if torch.device(device).type == "cuda" or has_bf16_dot(flags) else "emulated"
 
 
@@ -139,17 +139,20 @@ class EmulatedBf16Linear(nn.Linear):
         return linear(x, w, b, emulate=True)
 
 
-def emulate_bf16_matmuls(model: nn.Module) -> list[str]:
+def upcast_bf16_matmuls(model: nn.Module) -> list[str]:
     """In place: every plain nn.Linear becomes EmulatedBf16Linear (Fp8Linear and other subclasses keep
-    their own GEMMs), and every module with an `emulate_bf16` attribute (attention) sets it.
+    their own GEMMs), and every module with an `upcast_bf16` attribute (attention) sets it.
     Idempotent. Returns the names of the swapped linears."""
     swapped = []
     for name, module in list(model.named_modules()):
-        if hasattr(module, "emulate_bf16"):
-            module.emulate_bf16 = True
+        if hasattr(module, "upcast_bf16"):
+            module.upcast_bf16 = True
         if type(module) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child,
                     EmulatedBf16Linear.from_linear(module))
             swapped.append(name)
     return swapped
+
+
+emulate_bf16_matmuls = upcast_bf16_matmuls  # its name before issue 33 (kept for callers)

@@ -67,16 +67,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     emulate_bf16: bool = False) -> torch.Tensor:
+                     upcast_bf16: bool = False) -> torch.Tensor:
     """SDPA of q, k, v [B, H, T, D] (causal, or the Bool mask [B, 1, T, T]) -> [B, H, T, D] in q's dtype.
 
     On the CPU, BF16 inputs are always upcast and attended in FP32 (model/bf16.py `sdpa`, emulated):
     the upcast is exact (the values are BF16), the kernel accumulates and normalises in FP32 as GPU
     flash kernels do, and without AMX torch's BF16 flash-attention backward is ~4x slower than FP32 at
     our shapes (measured: B=128, H=4, T=16, D=64 fwd+bwd 38 ms BF16 vs 9 ms FP32, 1 thread).
-    Elsewhere: SDPA as is, unless `emulate_bf16` (model.bf16_compute: emulated).
+    Elsewhere: SDPA as is, unless `upcast_bf16` (the emulated BF16 path, model/bf16.py).
     """
-    upcast = emulate_bf16 or q.device.type == "cpu"
+    upcast = upcast_bf16 or q.device.type == "cpu"
     return bf16.sdpa(q, k, v, emulate=upcast, attn_mask=mask, is_causal=mask is None)
 
 
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         # HF Llama's attention_bias also puts a bias on o_proj; Qwen2's o_proj never has one.
         o_bias = qkv_bias and cfg.model_type == "llama"
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=o_bias)
-        self.emulate_bf16 = False  # BF16 attention on FP32 upcasts (model/bf16.py: emulate_bf16_matmuls)
+        self.upcast_bf16 = False  # BF16 attention on FP32 upcasts (model/bf16.py: upcast_bf16_matmuls)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 packed: Packed | None = None) -> torch.Tensor:
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         if self.n_kv != self.n_heads:  # GQA: each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = causal_attention(q, k, v, mask, self.emulate_bf16).transpose(1, 2)  # [B, T or L, heads, D]
+        out = causal_attention(q, k, v, mask, self.upcast_bf16).transpose(1, 2)  # [B, T or L, heads, D]
         if packed is not None:
             out = packed.from_grid(out)[None]  # [1, N, heads, D]
         return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))

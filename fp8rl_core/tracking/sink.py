@@ -24,12 +24,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fp8rl_core.tracking import FINISHED, METRICS_FILE, TAG_CELL_ID, TAG_IS, TAG_RECIPE, TAG_SEED
 from fp8rl_core.tracking.jsonl import RUN_STATUSES, JsonlSink, check_status, now_ms, read_records, to_metric_values
 from fp8rl_core.tracking.mlflow_sink import MlflowSink
 from fp8rl_core.tracking.runs import create_run
+
+if TYPE_CHECKING:  # the sinks take a RunConfig; tracking imports the config package lazily (where it reads it)
+    from fp8rl_core.config import RunConfig
 
 __all__ = ["RUN_STATUSES", "JsonlSink", "MetricSink", "MultiSink", "check_status", "make_run_sink", "now_ms",
            "read_records", "run_params", "to_metric_values"]
@@ -108,7 +111,7 @@ class MultiSink:
             raise errors[0]
 
 
-def run_params(cfg: Any) -> dict[str, Any]:
+def run_params(cfg: RunConfig) -> dict[str, Any]:
     """A run's params: its resolved `RunConfig` without `tracking` (where it logs, not what it computes;
     MLflow shows the run ids anyway). The one rule for the sweep driver, which logs them when it
     creates a cell's run, and for a run without a sweep: MLflow refuses a param whose value changes,
@@ -120,7 +123,7 @@ def run_params(cfg: Any) -> dict[str, Any]:
     return data
 
 
-def _standalone_run_id(cfg: Any, out_dir: Path) -> str:
+def _standalone_run_id(cfg: RunConfig, out_dir: Path) -> str:
     """The MLflow run of a run started without a sweep: created once, its id kept in output_dir."""
     path = out_dir / RUN_ID_FILE
     if path.exists():
@@ -135,7 +138,7 @@ def _standalone_run_id(cfg: Any, out_dir: Path) -> str:
     return run_id
 
 
-def make_run_sink(cfg: Any, out_dir: str | Path, resume_step: int | None = None) -> MetricSink:
+def make_run_sink(cfg: RunConfig, out_dir: str | Path, resume_step: int | None = None) -> MetricSink:
     """The sink of one run from its `RunConfig`: `out_dir/metrics.jsonl` always, MLflow too when
     `cfg.tracking.uri` is set (into `cfg.tracking.run_id`, the cell run the sweep driver created, or
     else into a run created once for this output_dir).

@@ -127,14 +127,13 @@ def _say_start(cfg: RunConfig) -> None:
 def warm_start_stage(configs: list[dict[str, Any]], progress: bool = True) -> list[str]:
     """Make (or find in the cache) the warm-start checkpoint of each config; the folders' paths.
     `progress`: a tqdm bar on stderr (minutes of work: the terminal locally, the job's log on SLURM)."""
-    from fp8rl_core.loop.builder import initial_checkpoint, load_tokenizer
-    from fp8rl_core.tasks import make_task
+    from fp8rl_core.loop.builder import initial_checkpoint, resolve_setup
 
     paths = []
     for data in configs:
         cfg = run_config_from_dict(data, where="warm-start stage")
-        tokenizer = load_tokenizer(cfg)
-        paths.append(str(initial_checkpoint(cfg, tokenizer, make_task(cfg.task), progress=progress)))
+        # the warm start trains on the CPU, whatever device the cell runs on
+        paths.append(str(initial_checkpoint(resolve_setup(cfg, "cpu"), progress=progress)))
     return paths
 
 

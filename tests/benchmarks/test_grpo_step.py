@@ -40,9 +40,9 @@ def trainings(monkeypatch):
     """The warm-start trainings of the test (fp8rl_core.loop.warmstart._train calls)."""
     calls, real = [], warmstart._train
 
-    def counted(model, cfg, *a, **kw):
-        calls.append(cfg)
-        return real(model, cfg, *a, **kw)
+    def counted(model, setup, *a, **kw):
+        calls.append(setup.cfg)
+        return real(model, setup, *a, **kw)
 
     monkeypatch.setattr(warmstart, "_train", counted)
     return calls

@@ -28,11 +28,12 @@ def guarded_step(mesh, guard: dict, gap: list[float], micro_batch_size: int = 0)
     m = batch.response_mask
     batch.gen_logprobs = torch.where(m, now - torch.tensor(gap)[rows][:, None], torch.zeros_like(now))
     before = _full_weights(engine)
-    metrics = engine.train_step(batch, importance=_importance)
+    result = engine.train_step(batch, importance=_importance)
+    metrics = result.metrics
     after = _full_weights(engine)
     return {"metrics": {k: metrics[k] for k in GUARD_METRICS}, "step": engine.step,
             "changed": any(not torch.equal(before[k], after[k]) for k in before),
-            "local_mismatch": token_mult_prob_error(engine.last_old_logprobs, batch.gen_logprobs, m)}
+            "local_mismatch": token_mult_prob_error(result.old_logprobs, batch.gen_logprobs, m)}
 
 
 def guarded_cases(mesh, cases: list[dict]) -> list[dict]:

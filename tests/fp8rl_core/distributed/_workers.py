@@ -111,19 +111,19 @@ def train_step(mesh, recipe: str = "bf16", compute: str = "bf16", micro_batch_si
         if not reuse:
             batch.old_logprobs = engine.logprobs(batch)
             batch.is_weights = _importance(batch)
-        metrics = engine.train_step(batch, importance=_importance if reuse else None)
-    old = engine.last_old_logprobs
+        result = engine.train_step(batch, importance=_importance if reuse else None)
+    metrics, old = result.metrics, result.old_logprobs
     isw = compute_importance(old, batch.gen_logprobs, batch.response_mask, "tis")
     rewards = rows[:, None].float() * torch.tensor([[1.0, 0.5]])  # [rows, G=2]: global rows' own values
     stats = _global_stats(mesh, rewards, old, batch.gen_logprobs, batch.response_mask, isw)
     # the wrong estimator, for the negative control: the mean over ranks of per-rank token means
-    local_mean, _ = grpo.policy_loss(old, old, batch.advantages, batch.response_mask, engine.last_is_weights)
+    local_mean, _ = grpo.policy_loss(old, old, batch.advantages, batch.response_mask, result.is_weights)
     mean_of_means = float(mesh.all_reduce_sum([float(local_mean)])[0]) / mesh.world_size
     after = _full_weights(engine)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in engine.params)
     refit_equal = _refit_from_shards_is_exact(engine)
     return {"metrics": metrics, "stats": stats, "delta": {k: after[k] - before[k] for k in after},
-            "old_logprobs": old, "is_weights": engine.last_is_weights, "rows": rows,
+            "old_logprobs": old, "is_weights": result.is_weights, "rows": rows,
             "mean_of_means": mean_of_means, "local_param_numel": local, "refit_equal": refit_equal,
             "collectives": dict(calls), "weight_quants": quants[0], "fp8_layers": len(engine.fp8_modules)}
 

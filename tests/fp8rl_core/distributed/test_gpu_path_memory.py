@@ -71,7 +71,7 @@ def test_cpu_plans_are_unchanged_by_the_gpu_terms():
 # ---- the BF16 evaluation engine under vLLM: the native one, for every recipe ------------------------------
 def test_every_8b_cell_counts_the_native_bf16_evaluator_in_its_validation_phase():
     """Under vLLM the evaluator of val_accuracy_bf16_eval is the native engine in BF16 for every recipe
-    (builder.BF16Evaluator): 2 N of weights (not divided by TP) and its preallocated KV cache for vLLM's
+    (engines/bf16_eval.py): 2 N of weights (not divided by TP) and its preallocated KV cache for vLLM's
     concurrency, only while it validates (the arm's engine on the host, level 1); never in the rollout."""
     from fp8rl_core.distributed.memory_plan import count_parameters
 

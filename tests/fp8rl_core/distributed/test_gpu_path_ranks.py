@@ -91,7 +91,7 @@ def start_engine(mesh, folder: str, out_dir: str) -> dict:
     _fake_vllm_here(mesh.rank)
     from fp8rl_core.config import run_config_from_dict
     from fp8rl_core.engines import vllm_convert as conv
-    from fp8rl_core.loop.builder import vllm_engine
+    from fp8rl_core.loop.builder import resolve_setup, vllm_engine
     from fp8rl_core.model.hf_io import read_model_config
 
     writes, write = [], conv.write_checkpoint
@@ -103,7 +103,7 @@ def start_engine(mesh, folder: str, out_dir: str) -> dict:
 
     conv.write_checkpoint = slow_write
     cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": out_dir, "engines": {"generation": "vllm"}})
-    engine = vllm_engine(cfg, read_model_config(folder), mesh=mesh)
+    engine = vllm_engine(resolve_setup(cfg, "cpu", mesh), read_model_config(folder))
     engine.start(folder)
     return {"writes": writes, "complete": engine.llm.complete, "model": engine.llm.kwargs["model"],
             "backend": engine.llm.kwargs.get("distributed_executor_backend"), "seed": engine.llm.kwargs["seed"]}

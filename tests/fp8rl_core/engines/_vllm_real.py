@@ -58,9 +58,9 @@ def run_config(out: Path, recipe: str = "bf16", **vllm: Any):
 
 def engine(cfg, mesh=None):
     from fp8rl_core.distributed.mesh import SINGLE
-    from fp8rl_core.loop.builder import vllm_engine
+    from fp8rl_core.loop.builder import resolve_setup, vllm_engine
 
-    return vllm_engine(cfg, TINY, mesh=mesh or SINGLE)
+    return vllm_engine(resolve_setup(cfg, "cpu", mesh or SINGLE), TINY)
 
 
 def refusal(fn) -> str:
@@ -98,7 +98,7 @@ def main_engine(mesh, tmp: str) -> dict:
 
     from fp8rl_core.engines.base import SamplingParams
     from fp8rl_core.engines.vllm_convert import llm_kwargs
-    from fp8rl_core.loop.builder import build_training_engine
+    from fp8rl_core.loop.builder import build_training_engine, resolve_setup
 
     tmp_path = Path(tmp)
     result = refusals(tmp_path)
@@ -111,7 +111,7 @@ def main_engine(mesh, tmp: str) -> dict:
     raw: list = []
     generate = gen.llm.generate
     gen.llm.generate = lambda *a, **k: raw.append(generate(*a, **k)) or raw[-1]
-    trainer = build_training_engine(cfg, model_dir, "cpu")
+    trainer = build_training_engine(resolve_setup(cfg, "cpu"), model_dir)
     gen.refit(trainer.weights())
     sampling = SamplingParams(max_new_tokens=MAX_NEW, seed=11)
     first, again = sample(gen, sampling), sample(gen, sampling)

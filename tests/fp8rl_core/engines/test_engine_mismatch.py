@@ -10,12 +10,11 @@ import torch
 from fp8rl_core.algorithms.metrics import token_mult_prob_error
 from fp8rl_core.config import load_run_config
 from fp8rl_core.engines.base import SamplingParams
-from fp8rl_core.loop.builder import build_generation_engine, build_training_engine, load_tokenizer
+from fp8rl_core.loop.builder import build_generation_engine, build_training_engine, resolve_setup
 from fp8rl_core.loop.rollout import build_train_batch
 from fp8rl_core.loop.warmstart import warm_start
 from fp8rl_core.model.bf16 import has_bf16_dot, missing_bf16_dot
 from fp8rl_core.model.config import ModelConfig
-from fp8rl_core.tasks import make_task
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +22,8 @@ def warm(tmp_path_factory):
     cfg = load_run_config(None, [f"warmstart.cache_dir={tmp_path_factory.mktemp('ws')}", "warmstart.steps=40",
                                  "warmstart.batch_size=32", "task.val_size=8", "task.digits=2"])
     torch.set_num_threads(1)
-    tok, task = load_tokenizer(cfg), make_task(cfg.task)
-    return cfg, tok, task, warm_start(cfg, tok, task, progress=False)
+    setup = resolve_setup(cfg, "cpu")
+    return cfg, setup.tokenizer, setup.task, warm_start(setup, progress=False)
 
 
 def _mismatch(warm, recipe: str) -> float:
@@ -33,8 +32,9 @@ def _mismatch(warm, recipe: str) -> float:
     import json
 
     mc = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    train = build_training_engine(cfg, path, "cpu")
-    gen = build_generation_engine(cfg, mc, "cpu")
+    setup = resolve_setup(cfg, "cpu")
+    train = build_training_engine(setup, path)
+    gen = build_generation_engine(setup, mc)
     gen.refit(train.weights())
     prompts = [tok.encode(ex.prompt) for ex in task.sample_train(7, 96)]
     out = gen.generate(prompts, SamplingParams(max_new_tokens=6, seed=3))
@@ -76,7 +76,7 @@ def bf16_recipe_mismatch(tmp_path_factory):
                 "warmstart.batch_size=16", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4",
                 "rollout.max_new_tokens=6", "task.val_size=6", "threads=1", "device=cpu", f"seed={seed}", extra])
             ctx = build_context(cfg, progress=False)
-            per_seed.append(statistics.median(grpo_step(ctx)["token_mult_prob_error"] for _ in range(STEPS)))
+            per_seed.append(statistics.median(grpo_step(ctx).metrics["token_mult_prob_error"] for _ in range(STEPS)))
         value = statistics.median(per_seed) - 1
         print(f"bf16 recipe, {path}: token_mult_prob_error - 1 = {value:.3g}")
         return value

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from test_vllm_gen import ODD, FakeLLM, _checkpoint, _record_builds, install_fake_vllm, random_weights
+from test_vllm_gen import ODD, FakeLLM, _checkpoint, _record_builds, install_fake_vllm, random_weights, vllm_engine
 
 from fp8rl_core.config import VllmSpec, run_config_from_dict
 from fp8rl_core.config.recipe import BF16
@@ -26,7 +26,7 @@ from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines import vllm_placement as placement
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
-from fp8rl_core.loop.builder import build_bf16_generation_engine, build_context, rank_seed, vllm_engine
+from fp8rl_core.loop.builder import build_bf16_generation_engine, build_context, rank_seed, resolve_setup
 
 PROMPTS = [[1, 5], [1, 6, 7], [1, 8, 9, 10]]
 
@@ -284,12 +284,12 @@ def test_the_evaluator_takes_its_rank_seed_and_device(fake_vllm, monkeypatch, tm
     cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path / "out"), "seed": 4,
                                 "model": {"dtype": "bf16"}, "rollout": {"prompts_per_step": 8},
                                 "engines": {"generation": "vllm"}})
-    evaluator = build_bf16_generation_engine(cfg, _checkpoint(tmp_path), ODD, "cpu", rank=3, mesh=mesh)
+    evaluator = build_bf16_generation_engine(resolve_setup(cfg, "cpu", mesh), ODD)
     assert evaluator.generator.initial_seed() == rank_seed(4, 3) and fake_vllm == []  # no vLLM engine started
     # max_num_seqs unset: validation's batch, train.val_batch_size, whatever the world size (issue 31, M3: the
     # batches are dealt whole to the ranks; before, every row of the rank, which changed with W)
     assert evaluator.max_batch == cfg.train.val_batch_size == 512
-    one = build_bf16_generation_engine(cfg, _checkpoint(tmp_path), ODD, "cpu", rank=0, mesh=SINGLE)
+    one = build_bf16_generation_engine(resolve_setup(cfg, "cpu", SINGLE), ODD)
     assert one.max_batch == evaluator.max_batch
     with pytest.raises(ValueError, match="above its max_batch 512"):  # its KV bound holds
         evaluator.generate([[3]] * 513, SamplingParams(max_new_tokens=1))

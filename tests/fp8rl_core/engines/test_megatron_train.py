@@ -151,7 +151,7 @@ def test_engine_logprobs_and_gradients_equal_native_engine_fp32(megatron_cpu):
     grads: dict[str, dict[str, torch.Tensor]] = {}
     native.optimizer.step = lambda: grads.update(n={k: p.grad.clone() for k, p in native.model.named_parameters()})
     mega.inner.optimizer.step = lambda: grads.update(m={k: p.grad.clone() for k, p in mega.gpt.named_parameters()})
-    m_n, m_m = native.train_step(batch), mega.train_step(batch)
+    m_n, m_m = native.train_step(batch).metrics, mega.train_step(batch).metrics
     assert m_n.keys() == m_m.keys()
     for key in ("loss", "pg_loss", "grad_norm", "entropy", "ratio_mean", "clip_fraction"):
         assert abs(m_n[key] - m_m[key]) <= 1e-5 * max(1.0, abs(m_n[key])), (key, m_n[key], m_m[key])
@@ -280,13 +280,13 @@ def _cuda_child(recipe: str, dtype: str, folder: str) -> dict:
     batch = make_batch(CUDA_CFG.vocab_size)
     lp_m, lp_n = mega.logprobs(batch).cpu(), native.logprobs(batch).cpu()
     batch.old_logprobs = lp_m
-    metrics = mega.train_step(batch)
+    metrics = mega.train_step(batch).metrics
     moved = float(((mega.logprobs(batch).cpu() - lp_m) * batch.response_mask).abs().sum()) > 0
     return {"mult_prob_error": token_mult_prob_error(lp_m, lp_n, batch.response_mask),
             "max_abs_diff": float((lp_m - lp_n).abs().max()),
             "weights_keys_match": sorted(mega.weights()) == sorted(native.weights()),
             "grad_norm_finite": bool(torch.isfinite(torch.tensor(metrics["grad_norm"]))), "logprobs_moved": moved,
-            "metric_keys": sorted(metrics), "native_metric_keys": sorted(native.train_step(batch))}
+            "metric_keys": sorted(metrics), "native_metric_keys": sorted(native.train_step(batch).metrics)}
 
 
 def _dist_child() -> dict:

@@ -69,7 +69,7 @@ def importance(b: TrainBatch) -> torch.Tensor:
 
 
 def step(engine: NativeTrainingEngine, batch: TrainBatch, two_pass: bool) -> dict[str, float]:
-    return engine.train_step(batch, importance=None if two_pass else importance)
+    return engine.train_step(batch, importance=None if two_pass else importance).metrics
 
 
 def capture_grads(engine: NativeTrainingEngine) -> dict[str, torch.Tensor]:
@@ -215,9 +215,9 @@ def test_the_off_guard_adds_no_metric_and_a_mismatch_action_needs_gen_logprobs()
     engine = engine_for(MismatchGuardSpec(action="none", max_grad_norm=0.0))
     assert engine.guard_spec is None
     batch = make_batch(CFG.vocab_size)
-    assert not any(k.startswith("guard_") for k in engine.train_step(batch))
+    assert not any(k.startswith("guard_") for k in engine.train_step(batch).metrics)
     engine = engine_for(MismatchGuardSpec(action="mask"))
     with pytest.raises(ValueError, match="mismatch_guard.action=mask: the batch needs gen_logprobs"):
         engine.train_step(batch)
     # the gradient-norm guard alone does not need them
-    assert engine_for(MismatchGuardSpec(max_grad_norm=1e6)).train_step(batch)["guard_skipped"] == 0.0
+    assert engine_for(MismatchGuardSpec(max_grad_norm=1e6)).train_step(batch).metrics["guard_skipped"] == 0.0

@@ -465,15 +465,15 @@ def spy_matmuls(monkeypatch) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_emulate_bf16_runs_no_bf16_kernel(monkeypatch, fp8):
-    """emulate_bf16: no matrix product of generate runs a BF16 kernel. The fused linears (not prepacked
+def test_upcast_bf16_runs_no_bf16_kernel(monkeypatch, fp8):
+    """upcast_bf16: no matrix product of generate runs a BF16 kernel. The fused linears (not prepacked
     for oneDNN), the LM head, the prefill SDPA and both decode-attention bmm's all run in FP32 on upcast
     operands (counted: for the BF16 engine every linear, the LM head at every step, one SDPA per layer
     and prompt length, two bmm's per layer and decode step); FP8 layers keep their FP8 GEMMs."""
     cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(cfg)
-    engine = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8 if fp8 else BF16, emulate_bf16=True)
-    assert engine.emulate_bf16 and all(blk.qkv.packed is None and blk.down.packed is None for blk in engine.blocks)
+    engine = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8 if fp8 else BF16, upcast_bf16=True)
+    assert engine.upcast_bf16 and all(blk.qkv.packed is None and blk.down.packed is None for blk in engine.blocks)
     calls = spy_matmuls(monkeypatch)
     steps, layers = 4, cfg.num_hidden_layers
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=steps, seed=0))
@@ -483,7 +483,7 @@ def test_emulate_bf16_runs_no_bf16_kernel(monkeypatch, fp8):
     assert count["scaled_dot_product_attention"] == groups * layers and count["bmm"] == 2 * layers * (steps - 1)
     if not fp8:  # (FP8 layers' GEMMs may call F.linear in FP32 themselves)
         assert count["linear"] == (groups + steps - 1) * 4 * layers + steps  # qkv, o, gate_up, down; LM head
-    assert not engine_for(model, cfg, dtype=torch.float32, emulate_bf16=True).emulate_bf16  # FP32: no BF16 products
+    assert not engine_for(model, cfg, dtype=torch.float32, upcast_bf16=True).upcast_bf16  # FP32: no BF16 products
 
 
 @needs_bf16_dot
@@ -499,7 +499,7 @@ def test_emulated_engine_agrees_with_native_within_bf16_noise(monkeypatch):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = ids != 0
     native = engine_for(model, cfg, dtype=torch.bfloat16)
-    emulated = engine_for(model, cfg, dtype=torch.bfloat16, emulate_bf16=True)
+    emulated = engine_for(model, cfg, dtype=torch.bfloat16, upcast_bf16=True)
     exact = engine_for(model, cfg).logits(ids, mask)
     a, b = native.logits(ids, mask), emulated.logits(ids, mask)
     assert not torch.equal(a, b)
@@ -524,7 +524,7 @@ def test_score_returns_generates_logprobs_bit_for_bit(fp8, path):
         pytest.skip(missing_bf16_dot())
     prompts = PROMPTS + [[1, 2, 3, 4, 6, 7, 9, 10, 12, 13, 2]] + PROMPTS[:2]
     sp = SamplingParams(max_new_tokens=8, temperature=0.7, seed=4)
-    kw = dict(dtype=torch.bfloat16, recipe=FP8 if fp8 else BF16, emulate_bf16=path == "emulated")
+    kw = dict(dtype=torch.bfloat16, recipe=FP8 if fp8 else BF16, upcast_bf16=path == "emulated")
     base = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(base)
     free = engine_for(model, base, **kw).generate(prompts, sp)
@@ -545,8 +545,8 @@ def test_score_on_a_bf16_engine_of_fp8_samples_differs_but_stays_close():
     test_fp8_bf16_generation_is_finite_and_close_to_bf16)."""
     cfg = ModelConfig(**FP8_CFG, eos_token_id=None)
     model = hf_model(cfg)
-    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8, emulate_bf16=True)
-    bf16 = engine_for(model, cfg, dtype=torch.bfloat16, emulate_bf16=True)
+    fp8 = engine_for(model, cfg, dtype=torch.bfloat16, recipe=FP8, upcast_bf16=True)
+    bf16 = engine_for(model, cfg, dtype=torch.bfloat16, upcast_bf16=True)
     out = fp8.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=1))
     lp = bf16.score(PROMPTS, out, 1.0)
     assert not torch.equal(lp, out.logprobs)

@@ -61,7 +61,7 @@ def test_gradient_equals_independent_policy_gradient():
     engine = NativeTrainingEngine(model, compute_dtype=torch.float32, optim=OptimSpec(grad_clip=0.0))
     captured = {}
     engine.optimizer.step = lambda: captured.update({n: p.grad.clone() for n, p in model.named_parameters()})
-    metrics = engine.train_step(batch)
+    metrics = engine.train_step(batch).metrics
 
     logits = twin(batch.input_ids, batch.attention_mask).double()
     logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
@@ -85,7 +85,7 @@ def test_train_step_moves_logprobs_along_advantages():
     before = engine.logprobs(batch)
     w0 = model.model.layers[0].mlp.up_proj.weight.detach().clone()
     batch.old_logprobs = before
-    m = engine.train_step(batch)
+    m = engine.train_step(batch).metrics
     after = engine.logprobs(batch)
     assert not torch.equal(w0, model.model.layers[0].mlp.up_proj.weight)
     delta = ((after - before) * batch.response_mask).sum(1)
@@ -115,7 +115,7 @@ def test_fp8_e2e_uses_fp8_linear_and_trains():
     assert 0 < float(diff.max()) < 0.2, f"FP8 vs BF16 log-prob difference {float(diff.max()):.3e}"
     batch.old_logprobs = lp
     w0 = model.model.layers[1].mlp.down_proj.weight.detach().clone()
-    metrics = engine.train_step(batch)
+    metrics = engine.train_step(batch).metrics
     assert 0 < metrics["grad_norm"] < float("inf")
     assert not torch.equal(w0, model.model.layers[1].mlp.down_proj.weight)
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32
@@ -161,7 +161,7 @@ def test_non_finite_loss_or_grad_raises_without_stepping():
     handle.remove()
     assert engine.step == 0 and all(torch.equal(before[k], v) for k, v in engine.weights().items())
     assert all(p.grad is None for p in model.parameters())
-    assert engine.train_step(batch)["grad_norm"] > 0  # still usable afterwards
+    assert engine.train_step(batch).metrics["grad_norm"] > 0  # still usable afterwards
 
 
 def test_rejects_non_fp32_master_weights():
@@ -177,7 +177,7 @@ def test_loss_spec_reaches_policy_loss():
     lp = engine.logprobs(batch)
     batch.old_logprobs = lp - 0.5 * batch.response_mask
     batch.ref_logprobs = lp - 0.2 * batch.response_mask
-    m = engine.train_step(batch)
+    m = engine.train_step(batch).metrics
     assert m["kl"] > 0 and abs(m["loss"] - (m["pg_loss"] + 0.1 * m["kl"])) <= 1e-6
     pos = (batch.advantages > 0) & batch.response_mask
     assert abs(m["clip_fraction"] - float(pos.sum() / batch.response_mask.sum())) <= 1e-6
@@ -198,8 +198,8 @@ def spy_linears(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_e2e"])
-def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monkeypatch, fp8):
-    """emulate_bf16: every plain linear (the LM head included) becomes EmulatedBf16Linear and attention
+def test_upcast_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monkeypatch, fp8):
+    """upcast_bf16: every plain linear (the LM head included) becomes EmulatedBf16Linear and attention
     attends on FP32 upcasts; FP8 layers stay Fp8Linear. The log-prob pass then runs each of them
     as an FP32 product on the BF16-rounded operands, no BF16 kernel (counted), with HF parameter names
     unchanged, and a training step moves the FP32 masters."""
@@ -208,13 +208,13 @@ def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monke
 
     model, batch = make_model(), make_batch(CFG.vocab_size)
     names = set(make_model().state_dict())
-    engine = NativeTrainingEngine(model, emulate_bf16=True, recipe=E2E if fp8 else BF16)
-    assert engine.emulate_bf16
+    engine = NativeTrainingEngine(model, upcast_bf16=True, recipe=E2E if fp8 else BF16)
+    assert engine.upcast_bf16
     kinds = {n: type(m) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plain = sorted(n for n, k in kinds.items() if k is EmulatedBf16Linear)
     assert plain == (["lm_head"] if fp8 else sorted(kinds)) and not any(k is nn.Linear for k in kinds.values())
     assert sum(k is Fp8Linear for k in kinds.values()) == (14 if fp8 else 0)
-    assert all(m.emulate_bf16 for m in model.modules() if isinstance(m, Attention))
+    assert all(m.upcast_bf16 for m in model.modules() if isinstance(m, Attention))
     assert set(engine.weights()) == names
     calls = spy_linears(monkeypatch)
     lp = engine.logprobs(batch)
@@ -223,26 +223,26 @@ def test_emulate_bf16_swaps_the_models_bf16_linears_and_runs_them_emulated(monke
         assert len(calls) == len(plain)
     batch.old_logprobs = lp
     w0 = model.lm_head.weight.detach().clone()
-    assert 0 < engine.train_step(batch)["grad_norm"] < float("inf")
+    assert 0 < engine.train_step(batch).metrics["grad_norm"] < float("inf")
     assert model.lm_head.weight.dtype == torch.float32 and not torch.equal(w0, model.lm_head.weight)
 
 
-def test_emulate_bf16_is_off_for_fp32_compute_and_by_default():
-    fp32 = NativeTrainingEngine(make_model(), compute_dtype=torch.float32, emulate_bf16=True)
+def test_upcast_bf16_is_off_for_fp32_compute_and_by_default():
+    fp32 = NativeTrainingEngine(make_model(), compute_dtype=torch.float32, upcast_bf16=True)
     default = NativeTrainingEngine(make_model())
     for engine in (fp32, default):
-        assert not engine.emulate_bf16
+        assert not engine.upcast_bf16
         assert all(type(m) is nn.Linear for m in engine.model.modules() if isinstance(m, nn.Linear))
 
 
-def test_reference_policy_honours_emulate_bf16():
+def test_reference_policy_honours_upcast_bf16():
     from fp8rl_core.engines.native_train import ReferencePolicy
     from fp8rl_core.model.bf16 import EmulatedBf16Linear
 
-    ref = ReferencePolicy(make_model(), device="cpu", emulate_bf16=True)
+    ref = ReferencePolicy(make_model(), device="cpu", upcast_bf16=True)
     assert type(ref.model.lm_head) is EmulatedBf16Linear
     assert type(ReferencePolicy(make_model(), device="cpu").model.lm_head) is nn.Linear
-    assert type(ReferencePolicy(make_model(), device="cpu", emulate_bf16=True,
+    assert type(ReferencePolicy(make_model(), device="cpu", upcast_bf16=True,
                                 compute_dtype=torch.float32).model.lm_head) is nn.Linear
 
 
@@ -257,7 +257,7 @@ def test_emulated_logprobs_agree_with_native_within_bf16_noise(monkeypatch):
         native = NativeTrainingEngine(make_model(seed)).logprobs(batch)
         assert len(calls) == 15 and all(calls)  # the native engine: autocast's BF16 kernels, 7 a layer + LM head
         monkeypatch.undo()
-        emulated = NativeTrainingEngine(make_model(seed), emulate_bf16=True).logprobs(batch)
+        emulated = NativeTrainingEngine(make_model(seed), upcast_bf16=True).logprobs(batch)
         fp32 = NativeTrainingEngine(make_model(seed), compute_dtype=torch.float32).logprobs(batch)
         assert float((native - emulated).abs().max()) <= 0.01
         assert float((native - fp32).abs().max()) <= 0.02 and float((emulated - fp32).abs().max()) <= 0.02

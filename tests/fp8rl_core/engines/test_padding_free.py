@@ -48,10 +48,10 @@ def make_model() -> torch.nn.Module:
 
 
 def step(recipe: str, dtype: torch.dtype, padding_free: bool, emulate: bool, batch: TrainBatch, capture=False):
-    """One train_step; returns (engine, metrics, {param: grad}, {fp8 layer: (X, dY)} of the step's forward)."""
+    """One train_step; returns (engine, its TrainResult, {param: grad}, {fp8 layer: (X, dY)} of the step's forward)."""
     model = make_model()
     engine = NativeTrainingEngine(model, recipe=RECIPES[recipe], compute_dtype=dtype, optim=OptimSpec(grad_clip=0.0),
-                                  emulate_bf16=emulate, padding_free=padding_free)
+                                  upcast_bf16=emulate, padding_free=padding_free)
     grads, acts = {}, {}
     engine.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
     if capture:
@@ -59,8 +59,8 @@ def step(recipe: str, dtype: torch.dtype, padding_free: bool, emulate: bool, bat
             if isinstance(mod, Fp8Linear):
                 mod.register_forward_pre_hook(_keep_input(acts, name))
                 mod.register_full_backward_hook(_keep_grad(acts, name))
-    metrics = engine.train_step(batch)
-    return engine, metrics, grads, acts
+    result = engine.train_step(batch)
+    return engine, result, grads, acts
 
 
 def _keep_input(acts, name):
@@ -99,10 +99,10 @@ def test_logprobs_loss_and_every_gradient_equal_the_padded_path(dtype, emulate):
     pf_engine, pf_m, pf_g, _ = step("bf16", dtype, True, emulate, batch)
     lp_tol = 1e-5 if dtype == torch.float32 else 2.0**-8
     mask = batch.response_mask
-    assert (pf_engine.last_old_logprobs[~mask] == 0).all()
-    assert float((pad_engine.last_old_logprobs - pf_engine.last_old_logprobs).abs().max()) <= lp_tol
-    assert abs(pad_m["loss"] - pf_m["loss"]) <= 1e-6 * max(abs(pad_m["loss"]), 1e-3)
-    assert abs(pad_m["entropy"] - pf_m["entropy"]) <= 1e-5
+    assert (pf_m.old_logprobs[~mask] == 0).all()
+    assert float((pad_m.old_logprobs - pf_m.old_logprobs).abs().max()) <= lp_tol
+    assert abs(pad_m.metrics["loss"] - pf_m.metrics["loss"]) <= 1e-6 * max(abs(pad_m.metrics["loss"]), 1e-3)
+    assert abs(pad_m.metrics["entropy"] - pf_m.metrics["entropy"]) <= 1e-5
     assert pad_g.keys() == pf_g.keys() and len(pad_g) == len(list(make_model().parameters()))
     rel = 0.0 if dtype == torch.float32 else 2 * 2.0**-8
     for name, g in pad_g.items():
@@ -124,8 +124,8 @@ def test_micro_batches_and_activation_checkpointing_compose_with_padding_free():
                                   micro_batch_size=5, activation_checkpointing=True)
     grads = {}
     engine.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-    m1 = engine.train_step(batch)
-    assert abs(m0["loss"] - m1["loss"]) <= 1e-6
+    m1 = engine.train_step(batch).metrics
+    assert abs(m0.metrics["loss"] - m1["loss"]) <= 1e-6
     for name, g in g0.items():
         assert torch.all((grads[name] - g).abs() <= 1e-5 * float(g.abs().max()) + 1e-12), name
 
@@ -168,8 +168,8 @@ def test_fp8_forward_equal_and_wgrad_within_the_block_bound(dtype, emulate):
     pad_engine, pad_m, pad_g, pad_a = step("fp8_e2e", dtype, False, emulate, batch, capture=True)
     pf_engine, pf_m, pf_g, pf_a = step("fp8_e2e", dtype, True, emulate, batch, capture=True)
     lp_tol = 1e-5 if dtype == torch.float32 else 2.0**-8
-    assert float((pad_engine.last_old_logprobs - pf_engine.last_old_logprobs).abs().max()) <= lp_tol
-    assert abs(pad_m["loss"] - pf_m["loss"]) <= 1e-6 * max(abs(pad_m["loss"]), 1e-3)
+    assert float((pad_m.old_logprobs - pf_m.old_logprobs).abs().max()) <= lp_tol
+    assert abs(pad_m.metrics["loss"] - pf_m.metrics["loss"]) <= 1e-6 * max(abs(pad_m.metrics["loss"]), 1e-3)
     real = batch.attention_mask.reshape(-1)
     assert len(pad_a) == 2 * 7
     differs = 0

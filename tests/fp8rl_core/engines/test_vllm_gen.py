@@ -22,6 +22,14 @@ from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines.base import SamplingParams
 from fp8rl_core.model.config import ModelConfig
 
+
+def vllm_engine(cfg, model_config, recipe=None, output_dir=None, mesh=None):
+    """builder.vllm_engine on the config's setup (loop/setup.py, resolved on the CPU; mesh None: SINGLE)."""
+    from fp8rl_core.distributed.mesh import SINGLE
+    from fp8rl_core.loop import builder
+
+    return builder.vllm_engine(builder.resolve_setup(cfg, "cpu", mesh or SINGLE), model_config, recipe, output_dir)
+
 # hidden 192 and intermediate 320 are not multiples of 128: partial [128, 128] blocks everywhere
 ODD = ModelConfig(vocab_size=40, hidden_size=192, intermediate_size=320, num_hidden_layers=2,
                   num_attention_heads=3, num_key_value_heads=1)
@@ -77,7 +85,7 @@ def test_platform_error_names_the_build_that_fits():
 
 
 def test_engine_construction_without_vllm_raises(tmp_path, monkeypatch):
-    from fp8rl_core.loop.builder import build_generation_engine, vllm_engine
+    from fp8rl_core.loop.builder import build_generation_engine, resolve_setup
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
@@ -86,7 +94,7 @@ def test_engine_construction_without_vllm_raises(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"engines.generation='vllm' cannot run here.*not installed"):
         vllm_engine(cfg, ModelConfig())
     with pytest.raises(RuntimeError, match="cannot run here"):
-        build_generation_engine(cfg, ModelConfig(), "cpu")
+        build_generation_engine(resolve_setup(cfg, "cpu"), ModelConfig())
 
 
 # ---- refit tensors -------------------------------------------------------------------------------
@@ -477,8 +485,6 @@ def fake_cuda(monkeypatch, devices: int = 8) -> dict:
 
 
 def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
-    from fp8rl_core.loop.builder import vllm_engine
-
     cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path), "seed": 4})
     engine = vllm_engine(cfg, ODD)
     with pytest.raises(RuntimeError, match="refit"):
@@ -520,8 +526,6 @@ def test_engine_glue_against_a_fake_vllm(fake_vllm, tmp_path):
 
 def test_engine_refuses_fp8_with_fp32_activations(fake_vllm, tmp_path):
     from fp8rl_core.config import RunConfig
-    from fp8rl_core.loop.builder import vllm_engine
-
     cfg = RunConfig(recipe="fp8_gen", output_dir=str(tmp_path))
     cfg.model.dtype = "fp32"  # built past validation, as a programmatic caller could
     with pytest.raises(ValueError, match="BF16/FP16 activations only"):
@@ -553,7 +557,7 @@ def _record_builds(monkeypatch, events, llms):
     import fp8rl_core.loop.builder as builder
 
     def fake(what):
-        def build(cfg, path, device, mesh=None):
+        def build(setup, path):
             events.append((what, [list(llm.events) for llm in llms]))
             return FakeTrainer(path)
         return build
@@ -593,8 +597,6 @@ def test_builder_starts_vllm_before_the_trainer(fake_vllm, monkeypatch, tmp_path
 
 
 def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
-    from fp8rl_core.loop.builder import vllm_engine
-
     path = _checkpoint(tmp_path)
     cfg = run_config_from_dict({"recipe": "fp8_gen", "output_dir": str(tmp_path / "out"),
                                 "engines": {"generation": "vllm"}})
@@ -615,8 +617,6 @@ def test_first_refit_after_start_wakes_and_reloads(fake_vllm, tmp_path):
 
 
 def test_start_keeps_the_free_memory_check(fake_vllm, monkeypatch, tmp_path):
-    from fp8rl_core.loop.builder import vllm_engine
-
     cfg = run_config_from_dict({"output_dir": str(tmp_path / "out"), "engines": {"generation": "vllm"}})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (2**30, 80 * 2**30))
     with pytest.raises(RuntimeError, match="engines.vllm.gpu_memory_utilization"):
@@ -628,9 +628,15 @@ def test_builder_native_order_is_unchanged(monkeypatch, tmp_path):
     import fp8rl_core.loop.builder as builder
     from fp8rl_core.distributed.mesh import SINGLE
 
-    class FakeGen:  # no start(): the native path must not call one
+    class FakeGen:
+        def start(self, model_dir):
+            raise AssertionError("the native path calls no start()")
+
         def refit(self, weights):
             events.append(("refit", []))
+
+        def tags(self):
+            return {}
 
     events: list = []
     _record_builds(monkeypatch, events, [])
@@ -668,7 +674,6 @@ def test_vllm_engine_matches_training_engine_and_refits(recipe, tmp_path):
     from fp8rl_core.algorithms.metrics import token_mult_prob_error
     from fp8rl_core.config import recipe_of
     from fp8rl_core.engines.native_train import NativeTrainingEngine
-    from fp8rl_core.loop.builder import vllm_engine
     from fp8rl_core.loop.rollout import build_train_batch
 
     mc = ModelConfig()  # the tiny preset: hidden 256, [128, 128] blocks tile every linear

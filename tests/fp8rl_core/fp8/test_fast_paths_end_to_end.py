@@ -39,7 +39,7 @@ def run_both_engines() -> list[torch.Tensor]:
     seen = [out.response_ids, out.logprobs]
     for _ in range(2):
         seen.append(train.logprobs(b))
-        seen.append(torch.tensor(train.train_step(b)["loss"]))
+        seen.append(torch.tensor(train.train_step(b).metrics["loss"]))
     seen.append(train.logprobs(b))
     gen.refit(train.weights())
     seen.append(gen.logits(torch.tensor([[1, 5, 6, 7, 8]])))

@@ -4,7 +4,7 @@ Validation calls generate many times on one refit, and the next rollout uses the
 the arm's engine is held awake (a level-2 sleep between the calls would discard the weights). When a second
 engine (the BF16 evaluation engine) must use the GPU before that rollout, the arm's engine sleeps at level 1
 (its weights kept on the host); the evaluation engine, whose next use follows a refit, at level 2. Under vLLM
-the evaluation engine is the native one in BF16 for every recipe (builder.BF16Evaluator): every rank refits it
+the evaluation engine is the native one in BF16 for every recipe (engines/bf16_eval.py): every rank refits it
 only after its arm's engine has slept (the two never hold the GPU together), and it decodes one validation
 batch (train.val_batch_size, at most engines.vllm.max_num_seqs) at once. Every rank validates its share of the
 batches (issue 31, M3). Faked at the engine boundary: engines that record what the loop asks of them, and a

@@ -128,7 +128,7 @@ def test_matched_kernels_give_the_zero_mismatch_floor(tmp_path, ws_dir, monkeypa
                  f"model.bf16_compute={path}"), progress=False)
     ctx = ctxs[0]
     engines = [ctx.gen, ctx.train] + ([ctx.bf16_gen] if recipe != "bf16" else [])
-    assert [e.emulate_bf16 for e in engines] == [path == "emulated"] * len(engines)
+    assert [e.upcast_bf16 for e in engines] == [path == "emulated"] * len(engines)
     assert ctx.numerics["fp8rl.bf16_compute"] == path
     mismatch = _logged(tmp_path / "run", "token_mult_prob_error")
     assert sorted(mismatch) == [1, 2, 3, 4]
@@ -230,16 +230,16 @@ def test_numerics_tags_per_attempt_and_a_warning_when_a_resume_switches_path(tmp
 def test_numerics_tags_name_the_path_flags_and_executor(monkeypatch):
     from fp8rl_core.config import load_run_config
     from fp8rl_core.fp8.gemm import select_executor
-    from fp8rl_core.loop.builder import numerics_tags
+    from fp8rl_core.loop.builder import numerics_tags, resolve_setup
 
     monkeypatch.setattr(bf16, "cpu_flags", lambda: frozenset({"sse2", "avx2", "avx512f"}))
-    tags = numerics_tags(load_run_config(None, []), "cpu")
-    assert tags == {"fp8rl.bf16_compute": "emulated", "fp8rl.cpu_flags": "avx2,avx512f",
-                    "fp8rl.fp8_gemm": select_executor("cpu")}
-    assert numerics_tags(load_run_config(None, ["model.bf16_compute=native"]), "cpu")["fp8rl.bf16_compute"] == "native"
-    assert numerics_tags(load_run_config(None, ["model.dtype=fp32"]), "cpu")["fp8rl.bf16_compute"] == "none"
+    tags_of = lambda *overrides: numerics_tags(resolve_setup(load_run_config(None, list(overrides)), "cpu"))  # noqa: E731
+    assert tags_of() == {"fp8rl.bf16_compute": "emulated", "fp8rl.cpu_flags": "avx2,avx512f",
+                         "fp8rl.fp8_gemm": select_executor("cpu")}
+    assert tags_of("model.bf16_compute=native")["fp8rl.bf16_compute"] == "native"
+    assert tags_of("model.dtype=fp32")["fp8rl.bf16_compute"] == "none"
     monkeypatch.setattr(bf16, "cpu_flags", lambda: frozenset())
-    assert numerics_tags(load_run_config(None, []), "cpu")["fp8rl.cpu_flags"] == "-"  # none of the recorded ones
+    assert tags_of()["fp8rl.cpu_flags"] == "-"  # none of the recorded ones
 
 
 def test_path_switch_warning_only_when_the_recorded_path_differs(tmp_path):

@@ -2,7 +2,7 @@
 import torch
 
 from fp8rl_core.config import load_run_config
-from fp8rl_core.loop.builder import load_tokenizer
+from fp8rl_core.loop.builder import load_tokenizer, resolve_setup
 from fp8rl_core.loop.warmstart import dev_accuracy, dev_examples, sft_batch, warm_start, warmstart_key
 from fp8rl_core.tasks import make_task
 
@@ -13,11 +13,11 @@ def _cfg(tmp_path, *extra):
 
 def test_cached_by_key_and_zero_steps_allowed(tmp_path):
     cfg = _cfg(tmp_path, "warmstart.steps=0")
-    tok, task = load_tokenizer(cfg), make_task(cfg.task)
-    path = warm_start(cfg, tok, task, progress=False)
+    setup = resolve_setup(cfg, "cpu")
+    path = warm_start(setup, progress=False)
     assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
     stamp = (path / "config.json").stat().st_mtime_ns
-    assert warm_start(cfg, tok, task, progress=False) == path  # second call: found, not retrained
+    assert warm_start(setup, progress=False) == path  # second call: found, not retrained
     assert (path / "config.json").stat().st_mtime_ns == stamp
     assert warmstart_key(_cfg(tmp_path / "elsewhere", "warmstart.steps=0")) == path.name  # cache dir not in key
     assert warmstart_key(_cfg(tmp_path, "warmstart.steps=1")) != path.name
@@ -45,7 +45,7 @@ def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path):
     # target 0.0 is reached at the first check (step eval_every); the run must stop there
     cfg = _cfg(tmp_path, "warmstart.steps=50", "warmstart.eval_every=3", "warmstart.target_accuracy=0.0",
                "warmstart.dev_size=8", "warmstart.batch_size=4")
-    path = warm_start(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False)
+    path = warm_start(resolve_setup(cfg, "cpu"), progress=False)
     stamp = _stamp(path)
     assert int(stamp["steps"]) == 3 and 0.0 <= float(stamp["dev_accuracy"]) <= 1.0
 
@@ -53,7 +53,7 @@ def test_target_accuracy_stops_at_the_first_check_that_reaches_it(tmp_path):
 def test_without_target_every_step_runs_and_dev_is_not_measured(tmp_path):
     cfg = _cfg(tmp_path, "warmstart.steps=5", "warmstart.eval_every=2", "warmstart.target_accuracy=null",
                "warmstart.batch_size=4")
-    stamp = _stamp(warm_start(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False))
+    stamp = _stamp(warm_start(resolve_setup(cfg, "cpu"), progress=False))
     assert int(stamp["steps"]) == 5 and stamp["dev_accuracy"] == "nan"
 
 
@@ -84,9 +84,9 @@ def test_dev_accuracy_counts_exact_greedy_answers(tmp_path):
     out = gen.generate([tok.encode(e.prompt) for e in dev], SamplingParams(max_new_tokens=4, greedy=True))
     said = [tok.decode(out.response_ids[i, :n].tolist()) for i, n in enumerate(out.response_mask.sum(1).tolist())]
     echoed = [Example(e.prompt, s) for e, s in zip(dev, said)]
-    assert dev_accuracy(model, cfg, tok, task, echoed) == 1.0
+    assert dev_accuracy(model, resolve_setup(cfg, "cpu"), echoed) == 1.0
     right = sum(task.reward(e, s) for e, s in zip(dev, said)) / len(dev)
-    assert dev_accuracy(model, cfg, tok, task, dev) == right
+    assert dev_accuracy(model, resolve_setup(cfg, "cpu"), dev) == right
 
 
 WS_TINY = ("warmstart.steps=2", "warmstart.eval_every=1", "warmstart.target_accuracy=1.0", "warmstart.dev_size=4",
@@ -112,13 +112,13 @@ def test_emulated_bf16_warm_start_emulates_every_bf16_product_and_shares_the_cac
         return real_linear(x, w, b)
 
     def generate(self, *a, **kw):
-        engines.append(self.emulate_bf16)
+        engines.append(self.upcast_bf16)
         return real_generate(self, *a, **kw)
 
     monkeypatch.setattr(F, "linear", linear)
     monkeypatch.setattr(NativeGenerationEngine, "generate", generate)
     cfg = _cfg(tmp_path, "model.bf16_compute=emulated", *WS_TINY)
-    path = warm_start(cfg, load_tokenizer(cfg), make_task(cfg.task), progress=False)
+    path = warm_start(resolve_setup(cfg, "cpu"), progress=False)
     assert int(_stamp(path)["steps"]) == 2  # trained (dev accuracy 1.0 is not reached in 2 steps)
     assert engines == [True, True]  # one dev check per step, on an emulating engine
     loaded = load_pretrained(path)
@@ -130,6 +130,6 @@ def test_emulated_bf16_warm_start_emulates_every_bf16_product_and_shares_the_cac
         assert warmstart_key(other) == path.name
         stamp = (path / "config.json").stat().st_mtime_ns
         calls.clear()
-        assert warm_start(other, load_tokenizer(other), make_task(other.task), progress=False) == path
+        assert warm_start(resolve_setup(other, "cpu"), progress=False) == path
         assert not calls and (path / "config.json").stat().st_mtime_ns == stamp  # found, not retrained
     assert warmstart_key(_cfg(tmp_path, "model.dtype=fp32", *WS_TINY)) != path.name  # the dtype is in the key

@@ -157,7 +157,7 @@ def test_emulated_linear_module_shares_parameters_and_is_plain_in_fp32():
     assert torch.equal(emu(x), layer(x))  # no autocast, FP32 parameters: F.linear exactly
 
 
-def test_emulate_bf16_matmuls_swaps_plain_linears_and_flags_attention():
+def test_upcast_bf16_matmuls_swaps_plain_linears_and_flags_attention():
     from fp8rl_core.fp8 import Fp8Linear
     from fp8rl_core.model import ModelConfig, build_model
     from fp8rl_core.model.layers import Attention
@@ -168,14 +168,14 @@ def test_emulate_bf16_matmuls_swaps_plain_linears_and_flags_attention():
     keep = Fp8Linear.from_linear(model.model.layers[1].mlp.down_proj)
     model.model.layers[1].mlp.down_proj = keep
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
-    swapped = bf16.emulate_bf16_matmuls(model)
+    swapped = bf16.upcast_bf16_matmuls(model)
     assert "lm_head" in swapped and "model.layers.1.mlp.down_proj" not in swapped and len(swapped) == 1 + 2 * 7 - 1
     assert model.model.layers[1].mlp.down_proj is keep  # subclasses keep their own GEMMs
     assert all(type(m) is bf16.EmulatedBf16Linear for n, m in model.named_modules() if n in swapped)
-    assert all(m.emulate_bf16 for m in model.modules() if isinstance(m, Attention))
+    assert all(m.upcast_bf16 for m in model.modules() if isinstance(m, Attention))
     after = model.state_dict()
     assert list(after) == list(before) and all(after[k].data_ptr() == ptr for k, ptr in before.items())
-    assert bf16.emulate_bf16_matmuls(model) == []  # idempotent
+    assert bf16.upcast_bf16_matmuls(model) == []  # idempotent
 
 
 # ---- native: agrees with emulated (summation order only) -------------------------------------------
