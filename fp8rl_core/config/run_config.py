@@ -219,22 +219,6 @@ class LossSpec:
             fail("is_low", f"need is_low <= is_high, got {self.is_low} > {self.is_high}")
         if self.is_seq_low > self.is_seq_high:
             fail("is_seq_low", f"need is_seq_low <= is_seq_high, got {self.is_seq_low} > {self.is_seq_high}")
-        self._check_wired()
-
-    def _check_wired(self) -> None:
-        """Issue 34's knobs that the run loop / training engine do not read yet: refused, not ignored. Delete
-        a check when its caller is wired (loop/step.py: importance_from_config(cfg.loss, ..., advantages=...);
-        engines/native_train.py: policy_loss(..., gen_logprobs=..., rollout_kl_coef=...))."""
-        if self.importance_sampling == "dppo":
-            fail("importance_sampling", "'dppo' needs the advantages, which the run loop does not pass yet "
-                 "(fp8rl_core/loop/step.py must call importance_from_config(cfg.loss, ..., advantages=...))")
-        for key, default in (("is_seq_low", 0.0), ("is_seq_high", 3.0), ("is_prob_low", 0.2), ("is_prob_high", 0.2)):
-            if getattr(self, key) != default:
-                fail(key, "not read by the run loop yet (fp8rl_core/loop/step.py passes is_cap, is_low and "
-                     "is_high only, until it calls importance_from_config)", f"{default} (the default)")
-        if self.rollout_kl_coef:  # grpo.policy_loss has the term; the training engine does not pass it yet
-            fail("rollout_kl_coef", "not wired into the training engine yet (engines/native_train.py must pass "
-                 "gen_logprobs and rollout_kl_coef to grpo.policy_loss)", "0 (off)")
 
 
 @dataclass

@@ -46,7 +46,7 @@ def observe_step(batch: TrainBatch, mesh: Mesh | None = None) -> dict[str, float
     # token-weighted (world size 1: no collective)
     reduce = reduce_with(mesh) if mesh is not None and mesh.distributed else all_reduce_sums
     return step_diagnostics(batch.old_logprobs, batch.gen_logprobs, batch.response_mask, batch.is_weights,
-                            reduce=reduce)
+                            reduce=reduce, advantages=batch.advantages)
 
 
 def worst_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
@@ -140,7 +140,8 @@ def save_rollout(path: Path, batch: Any, step: int, weights_step: int, run_confi
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"step": step, "weights_step": weights_step, "run_config": json.dumps(run_config),
             "model_config": json.dumps(model_config)}
-    for name in ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "old_logprobs", "is_weights"):
+    for name in ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "old_logprobs", "is_weights",
+                 "advantages"):
         value = getattr(batch, name)
         if value is not None:
             data[name] = value.detach().cpu()

@@ -265,7 +265,8 @@ class NativeTrainingEngine:
         loss, metrics = grpo.policy_loss(lp, dev(batch.old_logprobs), dev(batch.advantages), mask,
                                          dev(batch.is_weights), clip_low=s.clip_low, clip_high=s.clip_high,
                                          ref_logprobs=dev(batch.ref_logprobs), kl_coef=s.kl_coef,
-                                         kl_clamp=s.kl_clamp, num_tokens=num_tokens)
+                                         kl_clamp=s.kl_clamp, num_tokens=num_tokens,
+                                         gen_logprobs=dev(batch.gen_logprobs), rollout_kl_coef=s.rollout_kl_coef)
         return (lp, mask), entropy, loss, metrics
 
     def _accumulated_step(self, batch: TrainBatch, chunks: list[slice], importance: Importance | None,

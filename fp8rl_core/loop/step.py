@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8rl_core.algorithms import grpo
-from fp8rl_core.algorithms.importance import compute_importance, importance_stats
+from fp8rl_core.algorithms.importance import importance_from_config, importance_stats
 from fp8rl_core.algorithms.metrics import token_mult_prob_error, token_mult_prob_error_sum
 from fp8rl_core.config import RunConfig
 from fp8rl_core.diagnostics.tokens import observe_step
@@ -91,8 +91,8 @@ def _importance_fn(cfg: RunConfig):
     s = cfg.loss
 
     def weigh(b: TrainBatch) -> torch.Tensor:
-        return compute_importance(b.old_logprobs, b.gen_logprobs.to(b.old_logprobs.device), b.response_mask,
-                                  s.importance_sampling, cap=s.is_cap, low=s.is_low, high=s.is_high).weights
+        return importance_from_config(s, b.old_logprobs, b.gen_logprobs.to(b.old_logprobs.device), b.response_mask,
+                                      advantages=b.advantages).weights
 
     return weigh
 
@@ -197,8 +197,7 @@ def grpo_step(ctx: RunContext) -> StepResult:
     train_metrics = _train(ctx, batch, reuse)
     ctx.refit_generation()
     train_s = time.perf_counter() - t_train
-    isw = compute_importance(batch.old_logprobs, batch.gen_logprobs, mask, loss_cfg.importance_sampling,
-                             cap=loss_cfg.is_cap, low=loss_cfg.is_low, high=loss_cfg.is_high)
+    isw = importance_from_config(loss_cfg, batch.old_logprobs, batch.gen_logprobs, mask, advantages=batch.advantages)
     stats = _global_stats(ctx.mesh, rewards, batch.old_logprobs, batch.gen_logprobs, mask, isw)
     n_resp = int(ctx.mesh.all_reduce_sum([int(mask.sum())])[0])
     metrics = {

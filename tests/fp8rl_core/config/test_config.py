@@ -194,10 +194,9 @@ def test_rollout_correction_keys_issue_34():
         load_run_config(None, ["loss.is_seq_low=4"])
     with pytest.raises(ConfigError, match="loss.is_prob_low"):
         load_run_config(None, ["loss.is_prob_low=-0.1"])
-    # what the run loop / training engine do not read yet is refused, never ignored (run_config._check_wired)
-    with pytest.raises(ConfigError, match="loss.is_seq_high: not read by the run loop yet"):
-        load_run_config(None, ["loss.importance_sampling=seq_mask", "loss.is_seq_high=2"])
-    with pytest.raises(ConfigError, match="loss.importance_sampling: 'dppo' needs the advantages"):
-        load_run_config(None, ["loss.importance_sampling=dppo"])
-    with pytest.raises(ConfigError, match="loss.rollout_kl_coef: not wired into the training engine yet"):
-        load_run_config(None, ["loss.rollout_kl_coef=0.001"])
+    # wired through the loop (loop/step.py: importance_from_config with the advantages) and the training engine
+    # (policy_loss with gen_logprobs): every knob loads and keeps its value
+    cfg = load_run_config(None, ["loss.importance_sampling=dppo", "loss.is_prob_low=0.1", "loss.is_seq_high=2",
+                                 "loss.rollout_kl_coef=0.001"])
+    assert (cfg.loss.importance_sampling, cfg.loss.is_prob_low, cfg.loss.is_seq_high, cfg.loss.rollout_kl_coef) == (
+        "dppo", 0.1, 2, 0.001)

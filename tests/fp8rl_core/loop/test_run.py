@@ -278,3 +278,20 @@ def test_resume_is_bit_identical_with_emulated_bf16_and_matched_kernels(tmp_path
     a, b = _metrics(tmp_path / "straight"), _metrics(tmp_path / "interrupted")
     assert sorted(a) == [0, 1, 2, 3, 4] and a == b
     assert "val_accuracy_bf16_eval" in a[4]
+
+
+@pytest.mark.slow
+def test_rollout_corrections_reach_the_loss_and_the_metrics(tmp_path):
+    """Issue 34's corrections run through the loop: `dppo` reads the advantages (its masked-token fraction is
+    logged with the sign and mask splits), and `loss.rollout_kl_coef` adds coef · mean ½(logp − gen)² to the
+    step-1 loss (both runs generate the same rollouts from the same weights before their first update)."""
+    extra = ["recipe=fp8_gen", "loss.importance_sampling=dppo", "train.steps=2", "train.val_every=2"]
+    run(_tiny(tmp_path, "plain", *extra), progress=False)
+    run(_tiny(tmp_path, "kl", *extra, "loss.rollout_kl_coef=0.5"), progress=False)
+    plain, kl = _metrics(tmp_path / "plain")[1], _metrics(tmp_path / "kl")[1]
+    assert 0.0 <= plain["token_fraction_is_masked"] <= 1.0
+    assert plain["token_fraction_adv_pos"] + plain["token_fraction_adv_neg"] <= 1.0 + 1e-9
+    for key in ("token_mult_prob_error_adv_pos", "logprob_abs_diff_median", "rollout_k2_kl"):
+        assert key in plain, key
+    assert plain["rollout_kl"] == kl["rollout_kl"] > 0.0  # logged at coef 0 too: the same rollouts, the same weights
+    assert kl["loss"] - plain["loss"] == pytest.approx(0.5 * kl["rollout_kl"], rel=1e-4, abs=1e-7)
