@@ -28,7 +28,8 @@ from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
 from fp8rl_core.fp8 import preflight
-from fp8rl_core.fp8.gemm import pin_executor, select_executor
+from fp8rl_core.fp8.choice import SHARED_FILE, settle_executor
+from fp8rl_core.fp8.gemm import select_executor
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.warmstart import warm_start
 from fp8rl_core.model import bf16, load_pretrained
@@ -36,7 +37,7 @@ from fp8rl_core.model.hf_io import read_model_config
 from fp8rl_core.model.sources import resolve_model_path
 from fp8rl_core.model.tokenizer import Tokenizer, char_tokenizer
 from fp8rl_core.tasks import make_task
-from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
+from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM, TAG_FP8_GEMM_CHOICE
 
 
 def resolve_device(cfg: RunConfig) -> str:
@@ -67,6 +68,12 @@ def numerics_tags(cfg: RunConfig, device: str) -> dict[str, str]:
 
     return {TAG_BF16_COMPUTE: bf16_path(cfg, device), TAG_CPU_FLAGS: bf16.recorded_flags() or "-",
             TAG_FP8_GEMM: select_executor(device)}
+
+
+def gemm_choice_file(cfg: RunConfig) -> Path | None:
+    """Where the cells of a sweep share their automatic FP8 GEMM executor (fp8/choice.py): beside the sweep's
+    cell folders (<launcher.folder>/cells/fp8_executor.json) for a sweep cell (its parent run is set), else None."""
+    return Path(cfg.output_dir).parent / SHARED_FILE if cfg.tracking.parent_run_id else None
 
 
 def load_tokenizer(cfg: RunConfig) -> Any:
@@ -312,7 +319,8 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     check_data_parallel(cfg, mesh)
     if mesh.distributed and device == "cuda":
         device = f"cuda:{mesh.local_rank}"
-    pin_executor(cfg.fp8.gemm, device)  # before the preflight and any engine: every FP8 GEMM of the run
+    # before the preflight and any engine: every FP8 GEMM of the run (a sweep's cells share one, fp8/choice.py)
+    gemm_choice = settle_executor(cfg.fp8.gemm, device, gemm_choice_file(cfg))
     tokenizer = load_tokenizer(cfg)
     task = make_task(cfg.task)
     # the warm-start cache is file-locked: one rank trains it, the others wait and read it
@@ -322,9 +330,10 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     checked = gemm_preflight(cfg, model_config, device, mesh)  # raises before any engine or FP8 step
     gen, bf16_gen, train, ref = build_engines(cfg, path, model_config, device, mesh)
     engine_tags = gen.tags() if hasattr(gen, "tags") else {}  # vLLM: its version, device and FP8 kernels
+    numerics = {**numerics_tags(cfg, device), TAG_FP8_GEMM_CHOICE: gemm_choice.how, **checked, **engine_tags}
     ctx = RunContext(cfg=cfg, tokenizer=tokenizer, task=task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,
-                     recipe=recipe_of(cfg), numerics={**numerics_tags(cfg, device), **checked, **engine_tags})
+                     recipe=recipe_of(cfg), numerics=numerics)
     ctx.refit_generation()
     return ctx
