@@ -13,7 +13,8 @@ quantized along K with the same K-block (128); A's blocks are (1, 128) (or (128,
   "scaled_mm"           torch blockwise scaled_mm on Hopper (SM90, cuBLAS >= 12.9), cuda_exec.py
 Precedence: a per-call `executor` > the run's pin (`fp8.gemm`, `pin_executor`; it and $FP8RL_GEMM must agree)
 > $FP8RL_GEMM > the run's automatic decision (`decide`: on the CPU a calibration, calibrate.py, shared by the
-cells of a sweep, choice.py) > `default_executor`, the static rule (processes that decided nothing).
+cells of a sweep, choice.py) > `default_executor`, the static rule (processes that decided nothing). The
+calibration's trials (`trying`) rank just below the per-call executor.
 (There is no "te" executor: Transformer Engine runs FP8 end to end inside the Megatron-Core backend.)
 `executor_flags()`: what a run can log about the GEMMs so far (a BF16-output fallback, cuda_exec.py).
 """

@@ -16,8 +16,10 @@ from fp8rl_core.fp8.calibrate import Calibration, choose
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch, tmp_path):
-    """Calibration on (conftest turns it off for every other test), a private cache, no pin left behind."""
+    """Calibration on (conftest turns it off for every other test), a private cache, no pin left behind, and
+    the candidates of an AVX2 CPU (default first) whatever this CPU runs."""
     monkeypatch.delenv(calibrate.ENV_CALIBRATE, raising=False)
+    monkeypatch.setattr(calibrate, "candidates", lambda: ["emulated", "emulated_blockwise"])
     monkeypatch.delenv(gemm.ENV_VAR, raising=False)
     monkeypatch.setenv(calibrate.ENV_CACHE, str(tmp_path / "cache"))
     yield
@@ -57,6 +59,18 @@ def test_choose_margin_is_a_parameter():
     assert choose(t, "emulated", margin=0.10) == "cpu_bf16dot" and choose(t, "emulated", margin=0.2) == "emulated"
 
 
+def test_candidates_are_what_this_cpu_runs_default_first(monkeypatch):
+    from fp8rl_core.fp8 import cpu_gemm
+
+    monkeypatch.undo()  # the real candidates (the fixture's env is set again below)
+    monkeypatch.delenv(calibrate.ENV_CALIBRATE, raising=False)
+    names = calibrate.candidates()
+    assert names[0] == gemm.default_executor("cpu") and len(set(names)) == len(names)
+    assert set(names) == {"emulated", "emulated_blockwise"} | ({"cpu_bf16dot"} if cpu_gemm.path() else set())
+    monkeypatch.setenv("FP8RL_CPU_FLAGS_OFF", "amx_bf16 amx_tile avx512_bf16")
+    assert calibrate.candidates() == ["emulated", "emulated_blockwise"]
+
+
 # --- the cache
 
 
@@ -64,7 +78,7 @@ def test_cache_measures_once_and_is_keyed_by_cpu_flags_kernels_and_threads(monke
     calls: list = []
     first = calibrate.calibrate(fake({"emulated": 2.0, "emulated_blockwise": 1.0}, calls))
     assert first.executor == "emulated_blockwise" and not first.cached and len(calls) == 1
-    assert calls[0][0] == gemm.default_executor("cpu")  # the default is a candidate, listed first
+    assert calls[0] == ["emulated", "emulated_blockwise"]
     path = tmp_path / "cache" / f"{calibrate.cache_key()}.json"
     assert json.loads(path.read_text())["executor"] == "emulated_blockwise"
     again = calibrate.calibrate(fake({"emulated": 1.0, "emulated_blockwise": 9.0}, calls))
