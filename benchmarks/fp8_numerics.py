@@ -23,7 +23,12 @@ vector path and the GEMM executor they chose; `--only cpu-paths` runs just these
      floor of any function returning a fresh FP32 S x S tensor (huge-page-advised, written once);
   4. Fp8Linear forward + backward (BF16 x and dY, FP32 master weights, re-quantized each step) vs nn.Linear in
      BF16, M = 2048, K = N in (256, 1024), 1 thread and the default threads: the selected executor (goal
-     ratio <= 1.0 where the CPU has BF16 dot products, avx512_bf16 or amx_bf16) and `emulated` beside it.
+     ratio <= 1.0 where the CPU has BF16 dot products, avx512_bf16 or amx_bf16) and `emulated` beside it;
+  5. the executor calibration (fp8rl_core/fp8/calibrate.py), measured afresh: every CPU executor this machine
+     runs on the calibration's shapes and on the Fp8Linear rows' M and K = N (FP32 x), ratio = time / the
+     selected one's; the selected executor (what a run here selects: the cached calibration, else measured
+     now) is marked, and the line above the table says whether it is the fastest row (or within the 15%
+     margin of the default, which then stays).
 """
 from __future__ import annotations
 
@@ -43,6 +48,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from fp8rl_core.fp8 import (  # noqa: E402
     Fp8Linear,
+    calibrate,
+    choice,
     cpu_features,
     dequantize_blockwise,
     fused_cpu,
@@ -256,6 +263,39 @@ def bf16_linear_rows(m: int, sizes: list[int], repeats: int, threads: list[int])
     return rows
 
 
+def calibration_rows(m: int, sizes: list[int], repeats: int, selected: str) -> tuple[list[tuple], str]:
+    """Issue 35: each CPU executor on the calibration's shapes (as a run measures them) and at M x K = N, FP32 x;
+    (rows, a line naming the fastest and whether it is the selected one)."""
+    names = calibrate.candidates()
+    default = names[0]
+    measured = calibrate.measure(names)
+    mark = {n: ("selected" if n == selected else "") + (" default" if n == default else "") for n in names}
+    cal_flops = sum(3 * 2 * mm * k * n for mm, k, n in calibrate.SHAPES)
+    rows = [(f"executor [{n}] calibration (calibrate.SHAPES)", measured[n], cal_flops / measured[n] / 1e12,
+             measured[n] / measured[selected], "", mark[n].strip() or "for comparison") for n in measured]
+    for k in sizes:
+        x = torch.randn(m, k, requires_grad=True)
+        dy = torch.randn(m, k)
+        fp8 = Fp8Linear.from_linear(nn.Linear(k, k))
+        t = best_times({n: step_case(fp8, x, dy, n) for n in names}, repeats, torch.device("cpu"))
+        flops = 3 * 2 * m * k * k
+        rows += [(f"executor [{n}] fwd+bwd M={m} K=N={k} fp32 x", t[n], flops / t[n] / 1e12,
+                  t[n] / t[selected], "", mark[n].strip() or "for comparison") for n in names]
+    fastest = min(measured, key=measured.__getitem__)
+    speedup = measured[default] / measured[fastest]
+    verdict = ("the selected executor is the fastest" if fastest == selected else
+               f"the fastest is {fastest}, {speedup:.2f}x the default's speed: under the margin "
+               f"{1 + calibrate.MARGIN:.2f}x, so the default {default} stays" if selected == default else
+               f"the fastest now is {fastest}, not the selected {selected} (cached calibration; delete "
+               f"{calibrate.cache_dir()} to measure again)")
+    shapes = ", ".join(f"M={mm} {k}->{n}" for mm, k, n in calibrate.SHAPES)
+    line = (f"# executor calibration: CPU {calibrate.cpu_model()}, kernel flags {cpu_features.kernel_flags()}; "
+            f"shapes {shapes}; candidates {', '.join(names)}; default {default}; "
+            f"selected {selected} (margin {calibrate.MARGIN:.0%}); "
+            f"{verdict}")
+    return rows, line
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (1024^2 quantize, M=1024, K=N in 256,1024)")
@@ -281,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     size, m, sizes = (1024, 1024, [256, 1024]) if args.quick else (4096, 2048, [256, 1024])
     m = args.tokens or m
     sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else sizes
+    if device.type == "cpu" and not os.environ.get("FP8RL_GEMM"):
+        settled = choice.settle_executor("auto", device)  # what a run here selects (calibrate.py)
+        print(f"# FP8 GEMM executor selected as a run here would: {settled.executor} ({settled.how})")
     executors = args.executors.split(",") if args.executors else [select_executor(device)]
     if device.type == "cuda" and "emulated" not in executors:
         executors.append("emulated")
@@ -300,6 +343,10 @@ def main(argv: list[str] | None = None) -> None:
             rows += bf16_linear_rows(m, sizes, args.repeats, sorted({1, torch.get_num_threads()}))
         else:
             print(f"# Fp8Linear vs BF16 nn.Linear rows skipped: no {' or '.join(BF16_DOT)} here (--bf16 runs them)")
+        if not os.environ.get("FP8RL_GEMM"):
+            cal_rows, cal_line = calibration_rows(m, sizes, args.repeats, select_executor(device))
+            rows += cal_rows
+            print(cal_line)
     print(f"| {'case':<58} | {'time ms':>9} | {'GB/s or TFLOP/s':>15} | {'ratio':>6} | {'goal':>7} | note")
     print(f"|{'-' * 60}|{'-' * 11}|{'-' * 17}|{'-' * 8}|{'-' * 9}|-----")
     for name, t, rate, ratio, goal, note in rows:

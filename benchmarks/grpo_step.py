@@ -102,8 +102,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from grpo_step_goals import BF16_PATHS, precision, print_goals, trl_partner  # noqa: E402  (benchmarks/)
 
 from fp8rl_core.config import ConfigError, RunConfig, load_run_config  # noqa: E402
+from fp8rl_core.fp8.choice import settle_executor  # noqa: E402
 from fp8rl_core.fp8.cpu_features import kernel_flags  # noqa: E402
-from fp8rl_core.fp8.gemm import select_executor  # noqa: E402
 from fp8rl_core.io.environ import environ  # noqa: E402
 from fp8rl_core.loop.builder import build_context, initial_checkpoint, load_tokenizer, resolve_setup  # noqa: E402
 from fp8rl_core.loop.step import grpo_step  # noqa: E402
@@ -526,7 +526,8 @@ def main() -> None:
           f"after {args.warmup} warm-up, torch {torch.__version__} threads {torch.get_num_threads()}, "
           f"{versions}{model_line(args, plan.checkpoint)} (every row){', --set ' if args.overrides else ''}"
           f"{' '.join(args.overrides)}")
-    print(f"CPU kernel flags {kernel_flags()}; FP8 GEMM executor {select_executor('cpu')}; "
+    gemm_choice = settle_executor("auto", "cpu")  # what each row's run settles on too (fp8rl_core/fp8/choice.py)
+    print(f"CPU kernel flags {kernel_flags()}; FP8 GEMM executor {gemm_choice.executor} ({gemm_choice.how}); "
           f"model.bf16_compute auto -> {resolve_bf16_compute('auto', 'cpu')} here")
     partners = {trl_partner(names, p, args.dtype) for p in precisions} - {None}
     ours = time_ours(args, plan.rows, profile=partners)

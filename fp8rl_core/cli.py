@@ -60,16 +60,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fp8_gemm_note(cfg) -> str:
-    """Which FP8 GEMM executor the CPU kernels take here, and the flags that decided it."""
+    """Which FP8 GEMM executor the run takes here and how it is chosen (fp8/choice.py; nothing measured)."""
     from fp8rl_core.fp8 import cpu_features
-    from fp8rl_core.fp8.gemm import select_executor
+    from fp8rl_core.fp8.choice import note
     from fp8rl_core.loop.builder import resolve_device
 
     device = resolve_device(cfg)
     why = "CUDA" if device.startswith("cuda") else f"CPU flags: {cpu_features.kernel_flags()}"
-    if cfg.fp8.gemm != "auto":
-        why = f"pinned by fp8.gemm; {why}"
-    return f"FP8 GEMM: {select_executor(device)} (on {device}; {why})"
+    return f"FP8 GEMM: {note(cfg.fp8.gemm, device)} (on {device}; {why})"
 
 
 def _check_gemm_pin(cfg) -> None:

@@ -74,8 +74,9 @@ class Fp8Spec:
     # block128 and tensorwise: fp32 | pow2; mxfp8: e8m0; nvfp4: e4m3_fp32
     scale_format: str = "auto"
     lm_head: Literal["bf16", "fp8"] = "bf16"  # the LM head stays BF16 (NeMo RL #3650) or is quantized too
-    # the FP8 GEMM executor (fp8rl_core/fp8/gemm.py): auto picks per machine (and may change between
-    # versions); a name pins it, so that a study's numbers do not move with that rule. Enters the cell id when set
+    # the FP8 GEMM executor (fp8rl_core/fp8/gemm.py): auto picks per machine (on the CPU by a calibration of <= 2 s
+    # kept per machine, one choice per sweep: fp8/choice.py; a tag, not in the id); a name pins it with no
+    # calibration, so that a study's numbers do not move with that rule. Enters the cell id when set
     gemm: Literal["auto", "emulated", "emulated_blockwise", "cpu_bf16dot", "scaled_mm"] = "auto"
 
     def validate(self) -> None:

@@ -4,7 +4,8 @@ Conventions (docs/design.md): scale = amax/448 per block in FP32 (the dequant mu
 [128,128] blocks, activations and gradients in [1,128] blocks along the contraction dim.
 Files: quant.py (quantize/dequantize), kernels.py (the reference block kernels, optional torch.compile),
 fused_cpu.py + fused_cpu.c (the CPU default: the same bits in one fused C pass, built once per machine),
-gemm.py (blockwise_scaled_mm + executor choice), emulate.py (CPU/any-device executors),
+gemm.py (blockwise_scaled_mm + executor precedence), calibrate.py + choice.py (the CPU executor chosen by
+measurement, once per machine, and shared by a sweep's cells), emulate.py (CPU/any-device executors),
 cpu_gemm.py + cpu_gemm.c (the exact GEMM on AMX / AVX512_BF16 dot products), cpu_features.py (the CPU
 flags that pick kernel paths), cbuild.py (builds the C files), cuda_exec.py (Hopper scaled_mm),
 gemm_bound.py (the one error bound of every executor), preflight.py (every GEMM shape checked before a

@@ -13,13 +13,13 @@ Paths, picked by this CPU's flags (cpu_features.py; FP8RL_CPU_FLAGS_OFF hides fl
   "amx"          amx_tile + amx_bf16 (the OS must grant tile state: fp8rl_amx_init)
   "avx512_bf16"  avx512_bf16
   "c"            portable C (tests; it is slower than the FP32 emulation, so no run selects it)
-`path()` says which one this CPU runs (None: neither instruction). `select_executor` picks the executor
-by itself only where the path is "amx" (`preferred()`): on Intel, VDPBF16PS multiplies 32 BF16 pairs per
-cycle on one port, the MAC rate of two FP32 FMAs, so without AMX the path ran at 0.6x the FP32 emulation
-here (Sapphire Rapids with AMX hidden; timings in docs/design.md section 9). CPUs whose dot products
-outrun their FP32 FMAs (AMD Zen 4/5, unmeasured) opt in with FP8RL_GEMM=cpu_bf16dot after
-benchmarks/fp8_numerics.py says so. Weights are packed once per
-quantization (`PackedB`, kept in the weight operand's `cache`: Fp8Weight.kernel_cache).
+`path()` says which one this CPU runs (None: neither instruction). Whether a run takes it is measured,
+not assumed (calibrate.py): the executor's speed against the FP32 emulation depends on the CPU's BF16
+dot-product rate against its FP32 FMA rate (on Intel, VDPBF16PS has the MAC rate of two FP32 FMAs: 0.6x the
+emulation on Sapphire Rapids with AMX hidden; on an AMD EPYC with AVX512_BF16, 1.42-1.49x faster; timings in
+docs/design.md section 9). The static default (`preferred()`: the path is "amx") is what the calibration
+must beat by its margin; any CPU with a path is a candidate. FP8RL_GEMM=cpu_bf16dot fixes it outright.
+Weights are packed once per quantization (`PackedB`, kept in the weight operand's `cache`: Fp8Weight.kernel_cache).
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def _path(hidden: str, lib: ctypes.CDLL | None) -> str | None:
 
 
 def preferred() -> bool:
-    """Whether select_executor("cpu") picks cpu_bf16dot by itself: AMX only (see the module docstring)."""
+    """Whether the static rule (gemm.default_executor, the calibration's default) picks cpu_bf16dot: on AMX
+    only; elsewhere the calibration takes it only where it measures >= 1.15x the emulation (module docstring)."""
     return path() == "amx"
 
 

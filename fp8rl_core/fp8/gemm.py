@@ -8,35 +8,46 @@ quantized along K with the same K-block (128); A's blocks are (1, 128) (or (128,
 (1, 128) or (128, 128). Executors (chosen by `select_executor`; env FP8RL_GEMM=<name> overrides):
   "emulated"            FP32 GEMM of the dequantized operands (any device; the default on other CPUs), emulate.py
   "emulated_blockwise"  DeepSeek's per-K-block order literally (reference; slower), emulate.py
-  "cpu_bf16dot"         DeepSeek's order on the CPU's BF16 dot products (AMX: the CPU default where
-                        present; AVX512_BF16 on request, see cpu_gemm.py)
+  "cpu_bf16dot"         DeepSeek's order on the CPU's BF16 dot products (AMX or AVX512_BF16, cpu_gemm.py;
+                        the static default where AMX is present)
   "scaled_mm"           torch blockwise scaled_mm on Hopper (SM90, cuBLAS >= 12.9), cuda_exec.py
-A run pins one with its config (`fp8.gemm`, `pin_executor`), so that its numbers do not move when the
-automatic choice changes; that pin and $FP8RL_GEMM must agree.
+Precedence: a per-call `executor` > the run's pin (`fp8.gemm`, `pin_executor`; it and $FP8RL_GEMM must agree)
+> $FP8RL_GEMM > the run's automatic decision (`decide`: on the CPU a calibration, calibrate.py, shared by the
+cells of a sweep, choice.py) > `default_executor`, the static rule (processes that decided nothing). The
+calibration's trials (`trying`) rank just below the per-call executor.
 (There is no "te" executor: Transformer Engine runs FP8 end to end inside the Megatron-Core backend.)
 `executor_flags()`: what a run can log about the GEMMs so far (a BF16-output fallback, cuda_exec.py).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
+from fp8rl_core.fp8 import cpu_features
 from fp8rl_core.fp8.operand import Operand
 from fp8rl_core.fp8.quant import FP8_DTYPE, Block, check_block, scale_shape
 
 EXECUTORS = ("emulated", "emulated_blockwise", "cpu_bf16dot", "scaled_mm")
 ENV_VAR = "FP8RL_GEMM"
 _pinned: str | None = None  # the run's `fp8.gemm` (pin_executor); None: $FP8RL_GEMM, else automatic
+# the run's automatic choice per device type, with the $FP8RL_CPU_FLAGS_OFF it was made under (`decide`)
+_decided: dict[str, tuple[str, str]] = {}
+_trial: str | None = None  # calibrate.py's measurement of one executor (`trying`)
 
 
 def pin_executor(name: str | None, device: torch.device | str = "cpu") -> None:
-    """Pin this process's executor (a run's `fp8.gemm`; None or "auto": unpin). Raises ValueError for an
+    """Pin this process's executor (a run's `fp8.gemm`; "auto": unpin; None: unpin and forget the automatic
+    decision too). Raises ValueError for an
     unknown name, one that cannot run on `device`, or a $FP8RL_GEMM that says otherwise: the pin is part
     of the run's cell id, so a silently different executor would put wrong numbers under that id."""
     global _pinned
     if name in (None, "auto"):
         _pinned = None
+        if name is None:
+            _decided.clear()
         return
     if name not in EXECUTORS:
         raise ValueError(f"fp8.gemm: unknown executor {name!r}; valid: auto, {', '.join(EXECUTORS)}")
@@ -50,14 +61,46 @@ def pin_executor(name: str | None, device: torch.device | str = "cpu") -> None:
     _pinned = name
 
 
+def decide(device: torch.device | str, name: str | None) -> None:
+    """Record the run's automatic choice for `device`'s type (None: forget it): choice.py, at run start."""
+    kind = torch.device(device).type
+    if name is None:
+        _decided.pop(kind, None)
+        return
+    if name not in EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; valid: {', '.join(EXECUTORS)}")
+    _decided[kind] = (name, os.environ.get(cpu_features.ENV_OFF, ""))
+
+
+@contextlib.contextmanager
+def trying(name: str) -> Iterator[None]:
+    """Run the block's GEMMs on `name` whatever the pin, env or decision say (the calibration's trials)."""
+    global _trial
+    old, _trial = _trial, name
+    try:
+        yield
+    finally:
+        _trial = old
+
+
 def select_executor(device: torch.device | str, override: str | None = None) -> str:
-    """The executor for a GEMM on `device`: override > the pinned one (fp8.gemm) > $FP8RL_GEMM > the best
-    one available there."""
-    choice = override or _pinned or os.environ.get(ENV_VAR) or None
+    """The executor for a GEMM on `device`: override > the pinned one (fp8.gemm) > $FP8RL_GEMM > the run's
+    decision (`decide`) > the static rule (`default_executor`)."""
+    choice = override or _trial or _pinned or os.environ.get(ENV_VAR) or None
     if choice is not None:
         if choice not in EXECUTORS:
             raise ValueError(f"{ENV_VAR}/executor: unknown executor {choice!r}; valid: {', '.join(EXECUTORS)}")
         return choice
+    device = torch.device(device)
+    decided = _decided.get(device.type)  # one made under other hidden flags (tests) does not apply
+    if decided is not None and decided[1] == os.environ.get(cpu_features.ENV_OFF, ""):
+        return decided[0]
+    return default_executor(device)
+
+
+def default_executor(device: torch.device | str) -> str:
+    """The static rule: on CUDA the first hardware executor (scaled_mm on SM90) else emulated; on the CPU
+    cpu_bf16dot where its path is AMX (cpu_gemm.preferred), else emulated. The calibration's default."""
     device = torch.device(device)
     if device.type == "cuda":
         from fp8rl_core.fp8 import cuda_exec  # lazy: CUDA-only code

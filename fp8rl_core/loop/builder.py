@@ -29,7 +29,8 @@ from fp8rl_core.engines.base import GenerationEngine, LogprobEngine, TrainingEng
 from fp8rl_core.engines.bf16_eval import BF16Evaluator
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.engines.native_train import NativeTrainingEngine, ReferencePolicy
-from fp8rl_core.fp8.gemm import pin_executor, select_executor
+from fp8rl_core.fp8.choice import SHARED_FILE, settle_executor
+from fp8rl_core.fp8.gemm import select_executor
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.preflight_plan import PREFLIGHT_ENV, gemm_preflight, preflight_ms, preflight_shapes
 from fp8rl_core.loop.setup import RunSetup
@@ -40,7 +41,7 @@ from fp8rl_core.model.hf_io import read_model_config
 from fp8rl_core.model.sources import resolve_model_path
 from fp8rl_core.model.tokenizer import Tokenizer, char_tokenizer
 from fp8rl_core.tasks import make_task
-from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM
+from fp8rl_core.tracking import TAG_BF16_COMPUTE, TAG_CPU_FLAGS, TAG_FP8_GEMM, TAG_FP8_GEMM_CHOICE
 
 # the FP8 GEMM preflight's public names, here since before loop/preflight_plan.py
 __all__ = ["PREFLIGHT_ENV", "BF16Evaluator", "RunSetup", "build_context", "gemm_preflight", "preflight_ms",
@@ -73,6 +74,12 @@ def bf16_path_note(cfg: RunConfig) -> str:
         return "BF16 path: none (model.dtype fp32: nothing runs in BF16)"
     why = "CUDA" if device.startswith("cuda") else f"CPU flags: {bf16.recorded_flags() or 'none of avx2/avx512/amx'}"
     return f"BF16 path: {path} (model.bf16_compute={cfg.model.bf16_compute} on {device}; {why})"
+
+
+def gemm_choice_file(cfg: RunConfig) -> Path | None:
+    """Where the cells of a sweep share their automatic FP8 GEMM executor (fp8/choice.py): beside the sweep's
+    cell folders (<launcher.folder>/cells/fp8_executor.json) for a sweep cell (its parent run is set), else None."""
+    return Path(cfg.output_dir).parent / SHARED_FILE if cfg.tracking.parent_run_id else None
 
 
 def load_tokenizer(cfg: RunConfig) -> Tokenizer:
@@ -243,7 +250,8 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     check_data_parallel(cfg, mesh)
     if mesh.distributed and device == "cuda":
         device = f"cuda:{mesh.local_rank}"
-    pin_executor(cfg.fp8.gemm, device)  # before the preflight and any engine: every FP8 GEMM of the run
+    # before the preflight and any engine: every FP8 GEMM of the run (a sweep's cells share one, fp8/choice.py)
+    gemm_choice = settle_executor(cfg.fp8.gemm, device, gemm_choice_file(cfg))
     setup = resolve_setup(cfg, device, mesh)
     # the warm-start cache is file-locked: one rank trains it, the others wait and read it
     path = initial_checkpoint(setup, progress and mesh.is_rank0)
@@ -252,9 +260,10 @@ def build_context(cfg: RunConfig, progress: bool = True, mesh: Mesh | None = Non
     checked = gemm_preflight(cfg, model_config, device, mesh, recipe=setup.recipe)  # raises before any engine
     gen, bf16_gen, train, ref = build_engines(setup, path, model_config)
     engine_tags = gen.tags()  # vLLM: its version, device and FP8 kernels
+    numerics = {**numerics_tags(setup), TAG_FP8_GEMM_CHOICE: gemm_choice.how, **checked, **engine_tags}
     ctx = RunContext(cfg=cfg, tokenizer=setup.tokenizer, task=setup.task, gen=gen, train=train, ref=ref,
                      data_rng=random.Random(f"fp8rl-data-{cfg.seed}"),
                      shuffle=torch.Generator().manual_seed(cfg.seed), mesh=mesh, bf16_gen=bf16_gen,
-                     recipe=setup.recipe, numerics={**numerics_tags(setup), **checked, **engine_tags})
+                     recipe=setup.recipe, numerics=numerics)
     ctx.refit_generation()
     return ctx

@@ -24,6 +24,9 @@ ROLE_CELL = "cell"
 TAG_BF16_COMPUTE = "fp8rl.bf16_compute"  # native | emulated | none (model.dtype fp32)
 TAG_CPU_FLAGS = "fp8rl.cpu_flags"  # the CPU flags that decide the BF16 path and the kernels
 TAG_FP8_GEMM = "fp8rl.fp8_gemm"  # the FP8 GEMM executor (fp8rl_core/fp8/gemm.py)
+# how it was chosen (fp8rl_core/fp8/choice.py): pinned (fp8.gemm) | $FP8RL_GEMM | sweep (<file>: timings) |
+# calibrated: timings | cached: timings | default (cuda: static rule); the same executor in every cell of a sweep
+TAG_FP8_GEMM_CHOICE = "fp8rl.fp8_gemm_choice"
 # (the FP8 GEMM preflight's tags fp8rl.preflight[.*] and metrics fp8_preflight_*: their home is
 # fp8rl_core/fp8/preflight.py, TAG and METRICS; this module stays free of torch)
 TAG_WORLD_SIZE = "world_size"  # ranks of the attempt (a resume may reshard)

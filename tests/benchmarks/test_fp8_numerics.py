@@ -50,6 +50,15 @@ def test_cpu_path_rows_name_their_paths_and_goals():
             row(text, f"nn.Linear bf16 fwd+bwd M=128 K=N=128 {threads}T")
     else:
         assert "rows skipped: no avx512_bf16 or amx_bf16" in text
+    # issue 35: every CPU executor here measured, the selected one (the tests' runs: the default) marked
+    selected = select_executor("cpu")
+    assert f"# FP8 GEMM executor selected as a run here would: {selected} (default: not measured" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("# executor calibration: CPU "))
+    assert f"kernel flags {cpu_features.kernel_flags()};" in line and f"selected {selected} (margin 15%)" in line
+    for name in ("emulated", "emulated_blockwise"):
+        for case in (f"executor [{name}] calibration (calibrate.SHAPES)", f"executor [{name}] fwd+bwd M=128 K=N=128"):
+            cells = row(text, case)
+            assert cells[5].startswith("selected") == (name == selected) and float(cells[1]) > 0
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or not cpu_features.has("avx2"),

@@ -292,8 +292,13 @@ def test_local_end_to_end_with_the_real_core_and_the_report(cwd, capsys):
     assert "warm start: done" in out and "2/2 cells finished" in out
     sweep = load_sweep(path)
     client = MlflowClient(sweep.tracking_uri())
-    from fp8rl_core.tracking import CELL_TAGS, CONTRACT_METRICS, TAG_ROLE
+    from fp8rl_core.tracking import CELL_TAGS, CONTRACT_METRICS, TAG_FP8_GEMM, TAG_FP8_GEMM_CHOICE, TAG_ROLE
 
+    # one FP8 GEMM executor for every cell, from the file the first cell wrote (fp8rl_core/fp8/choice.py)
+    shared = sweep.folder / "cells" / "fp8_executor.json"
+    chosen = {(r.data.tags[TAG_FP8_GEMM], r.data.tags[TAG_FP8_GEMM_CHOICE]) for r in runs(sweep.tracking_uri(),
+                                                                                          "tiny").values()}
+    assert len(chosen) == 1 and next(iter(chosen))[1].startswith(f"sweep ({shared}: "), chosen
     for run in runs(sweep.tracking_uri(), "tiny").values():
         assert run.info.status == "FINISHED"
         assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "token_mult_prob_error")) == [1, 2]

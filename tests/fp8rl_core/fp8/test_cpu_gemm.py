@@ -171,12 +171,15 @@ def test_compiled_fp8_linear_equals_eager():
 
 
 def test_print_config_names_the_fp8_gemm_and_its_flags(capsys):
-    """`fp8rl-train --print-config` (quickstart prints it) says which executor the FP8 GEMMs take here."""
+    """`fp8rl-train --print-config` (quickstart prints it) says which executor the FP8 GEMMs take here and how it
+    is chosen (fp8/choice.py note: nothing measured; the tests run with the calibration off)."""
     from fp8rl_core.cli import main
+    from fp8rl_core.fp8.choice import note
 
     assert main(["--print-config"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("# FP8 GEMM: "))
-    assert line.startswith(f"# FP8 GEMM: {select_executor('cpu')} (on cpu; CPU flags: {cpu_features.kernel_flags()})")
+    assert line == f"# FP8 GEMM: {note('auto', 'cpu')} (on cpu; CPU flags: {cpu_features.kernel_flags()})"
+    assert line.startswith(f"# FP8 GEMM: {select_executor('cpu')} (the default: $FP8RL_GEMM_CALIBRATE=0)")
 
 
 @needs_lib

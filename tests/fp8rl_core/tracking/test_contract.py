@@ -33,4 +33,7 @@ def test_a_real_run_logs_every_contract_metric_at_its_steps(tmp_path, sqlite_uri
     for key in contract.VALIDATION_METRICS:  # step 0 (before training) and every val_every
         assert logged[key] == {0, 2}, key
     assert client.get_run(run_id).info.status == contract.FINISHED
-    assert client.get_run(run_id).data.tags[contract.TAG_WORLD_SIZE] == "1"
+    tags = client.get_run(run_id).data.tags
+    assert tags[contract.TAG_WORLD_SIZE] == "1"
+    # how the FP8 GEMM executor was chosen (fp8/choice.py; the tests run with the calibration off)
+    assert tags[contract.TAG_FP8_GEMM_CHOICE] == "default: not measured, $FP8RL_GEMM_CALIBRATE=0"
