@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,3 +258,22 @@ def test_no_module_is_in_an_import_cycle():
 def test_the_cycle_finder_finds_one():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
     assert _cycles(edges) == [["a", "b", "c"], ["e", "e2"]]
+
+
+def _grep(pattern: str, *folders: str) -> list[str]:
+    """The lines of our Python sources under `folders` (relative to the repository) that match `pattern`."""
+    rx = re.compile(pattern)
+    return [f"{p.relative_to(ROOT)}:{i}" for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if rx.search(line)]
+
+
+def test_the_seams_stay_typed():
+    """Issue 33's seams, kept: no side channel on the run context or the engines (results are returned), one
+    recipe resolution in the builder, and the BF16 knob read in at most six core files (below the run setup
+    only the plain `upcast_bf16` flag flows)."""
+    core = ("fp8rl_core/loop", "fp8rl_core/diagnostics", "fp8rl_core/engines")
+    assert _grep(r"hasattr\(ctx|setattr\(ctx|__dict__\.pop", *core) == []
+    in_builder = [x for x in _grep(r"recipe_of\(", "fp8rl_core/loop") if x.startswith("fp8rl_core/loop/builder.py:")]
+    assert len(in_builder) == 1, in_builder
+    files = {x.split(":")[0] for x in _grep(r"bf16_compute|emulate_bf16", "fp8rl_core")}
+    assert len(files) <= 6, sorted(files)

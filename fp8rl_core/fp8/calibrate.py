@@ -21,7 +21,7 @@ $FP8RL_CPU_FLAGS_OFF), the kernels' sources (cpu_gemm.c, fused_cpu.c, fp8rl_kern
 thread count, SHAPES, MARGIN and VERSION. A cache file that does not parse or does not match its key is
 recalibrated with a warning. $FP8RL_GEMM_CALIBRATE=0 skips the measurement (the default, nothing cached): the
 test suite sets it, so that no test's numbers depend on the machine's speed. BF16 native vs emulated is never
-chosen here (they differ in summation order; model/bf16.py, model.bf16_compute).
+chosen here (they differ in summation order; model/bf16.py: the BF16 path is resolved once per run, not timed).
 """
 from __future__ import annotations
 
