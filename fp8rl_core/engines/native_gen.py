@@ -21,7 +21,9 @@ FP8 (a recipe whose `generation` side is set, fp8rl_core/config/recipe.py): ever
 transformer blocks (except the first/last N blocks the recipe keeps in the dtype) is quantized
 [128, 128] once per refit from the engine's dtype copy (as vLLM quantizes the BF16 tensors it is
 sent), and its activations [1, 128] per call (fp8rl_core.fp8.fp8_linear). Embeddings, norms,
-attention and the LM head stay in the dtype.
+attention and the LM head stay in the dtype. The KV cache stays in the dtype too, unless the recipe's
+kv_cache is e4m3 (any recipe; engines/kv_quant.py): then K/V are stored as E4M3 codes and scales, and
+prefill and decode attend over them in FP32.
 Fused weights are quantized as one matrix, but each shard (q, k, v / gate, up) is first zero-padded to
 a multiple of 128 rows: a [128, 128] block then never straddles two projections, so the fused
 quantization equals per-projection quantization exactly (what HF block-FP8 checkpoints store and what
