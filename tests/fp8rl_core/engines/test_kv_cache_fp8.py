@@ -272,3 +272,13 @@ def test_engine_designs_without_trainer_scales_generate_and_report_their_step(kv
     assert torch.equal(again.logprobs, out.logprobs)  # the same scales (first_forward: kept) and sampling seed
     assert kv_quant.kv_cache_bytes(2, 3, 2, 10, 32, kv_scale == "per_token_head") == \
         2 * 2 * 3 * 2 * 10 * 32 + 4 * (2 * 2 * (3 * 2 * 10 if kv_scale == "per_token_head" else 1))
+
+
+def test_a_scale_of_one_is_refused_only_far_from_its_amax():
+    one = torch.ones(2)
+    kv_quant.check_not_default(KVScales(one, one, 0, torch.tensor([448.0, 448.0 * 60]), torch.tensor([10.0, 448.0])))
+    kv_quant.check_not_default(KVScales(one * 0.5, one, 0, torch.tensor([1e-3, 1.0]), torch.tensor([448.0, 9.0])))
+    with pytest.raises(RuntimeError, match="the V scale of layer 1 is exactly 1.0"):
+        kv_quant.check_not_default(KVScales(one * 0.5, one, 0, torch.tensor([1.0, 1.0]), torch.tensor([448.0, 6.0])))
+    with pytest.raises(RuntimeError, match="the K scale of layer 0"):
+        kv_quant.check_not_default(KVScales(one, one, 0, torch.tensor([448.0 * 65, 448.0]), torch.tensor([448.0] * 2)))
