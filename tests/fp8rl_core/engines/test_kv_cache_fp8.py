@@ -282,3 +282,20 @@ def test_a_scale_of_one_is_refused_only_far_from_its_amax():
         kv_quant.check_not_default(KVScales(one * 0.5, one, 0, torch.tensor([1.0, 1.0]), torch.tensor([448.0, 6.0])))
     with pytest.raises(RuntimeError, match="the K scale of layer 0"):
         kv_quant.check_not_default(KVScales(one, one, 0, torch.tensor([448.0 * 65, 448.0]), torch.tensor([448.0] * 2)))
+
+
+def test_trainer_scales_take_the_max_over_ranks():
+    """Each rank's percentile scale, then the element-wise max (Mesh.all_reduce_max), here of two simulated ranks."""
+    torch.manual_seed(7)
+    a_k, a_v, b_k, b_v = torch.rand(3, 2), torch.rand(3, 2), torch.rand(5, 2) * 2, torch.rand(5, 2) / 2
+    other = trainer_scales(b_k, b_v, step=2)
+    other_flat = torch.cat([other.k, other.v, other.amax_k, other.amax_v]).double()
+
+    class TwoRanks:
+        distributed = True
+
+        def all_reduce_max(self, values):
+            return torch.maximum(torch.as_tensor(values, dtype=torch.float64), other_flat)
+
+    got, mine = trainer_scales(a_k, a_v, step=2, mesh=TwoRanks()), trainer_scales(a_k, a_v, step=2)
+    assert torch.equal(got.k, torch.maximum(mine.k, other.k)) and torch.equal(got.v, torch.maximum(mine.v, other.v))
