@@ -34,6 +34,11 @@ class Recipe:
     bf16_first_layers: int = 0  # the first N transformer blocks keep all their linears in BF16
     bf16_last_layers: int = 0  # and the last N
     lm_head: str = "bf16"  # "fp8": the LM head's linear is quantized too (by each engine's side)
+    # the generation engine's KV cache (engines/kv_quant.py): auto (the compute dtype) | e4m3, its scales
+    # (trainer | first_forward | per_token_head) and what is quantized (bf16 | compute); any recipe, bf16 too
+    kv_cache: str = "auto"
+    kv_scale: str = "trainer"
+    kv_quantize_from: str = "bf16"
     description: str = ""
 
     @property
@@ -61,7 +66,7 @@ class Recipe:
         return (*head, *(f"model.layers.{i}.*" for i in self.bf16_blocks(num_layers)))
 
     def in_bf16(self) -> Recipe:
-        """Both engines in BF16 (the engine-neutral evaluation engine beside an FP8 arm)."""
+        """Both engines in BF16 (the engine-neutral evaluation engine beside an FP8 arm), its KV cache too."""
         return replace(RECIPES["bf16"], bf16_first_layers=self.bf16_first_layers,
                        bf16_last_layers=self.bf16_last_layers, lm_head=self.lm_head)
 
@@ -87,7 +92,8 @@ def get_recipe(name: str) -> Recipe:
         raise ValueError(f"recipe: unknown recipe {name!r}; valid: {', '.join(RECIPES)}") from None
 
 
-RECIPE_KNOBS = ("bf16_first_layers", "bf16_last_layers", "lm_head")  # the run config's fp8.* keys a Recipe holds
+RECIPE_KNOBS = ("bf16_first_layers", "bf16_last_layers", "lm_head",  # the run config's fp8.* keys a Recipe holds
+                "kv_cache", "kv_scale", "kv_quantize_from")
 
 
 def resolve_recipe(name: str, knobs: Any = None) -> Recipe:

@@ -78,11 +78,26 @@ class Fp8Spec:
     # kept per machine, one choice per sweep: fp8/choice.py; a tag, not in the id); a name pins it with no
     # calibration, so that a study's numbers do not move with that rule. Enters the cell id when set
     gemm: Literal["auto", "emulated", "emulated_blockwise", "cpu_bf16dot", "scaled_mm"] = "auto"
+    # the native generation engine's KV cache (fp8rl_core/engines/kv_quant.py): auto keeps the compute dtype;
+    # e4m3 stores K and V as E4M3 codes with FP32 scales, and prefill and decode attend over them (any recipe)
+    kv_cache: Literal["auto", "e4m3"] = "auto"
+    # e4m3's scales: trainer (per layer, computed by the trainer after each step on its batch, sent with the
+    # refit; NeMo RL), first_forward (per layer, from the first prefill after each refit; vLLM, verl #4435),
+    # per_token_head (per row, KV head and slot, at each write; vLLM #38378)
+    kv_scale: Literal["trainer", "first_forward", "per_token_head"] = "trainer"
+    # e4m3 quantizes K/V rounded to BF16 first (SGLang #31086) or as the compute dtype holds them; the same
+    # under model.dtype bf16
+    kv_quantize_from: Literal["bf16", "compute"] = "bf16"
 
     def validate(self) -> None:
         from fp8rl_core.fp8.formats import FORMATS  # torch-free registry (the config layer stays torch-free)
 
         check_ranges(self, RANGES, "fp8")
+        for key, default in (("kv_scale", "trainer"), ("kv_quantize_from", "bf16")):
+            if self.kv_cache == "auto" and getattr(self, key) != default:
+                fail(key, f"{getattr(self, key)!r} applies to an E4M3 KV cache, and kv_cache is 'auto'",
+                     f"kv_cache e4m3 with kv_scale trainer | first_forward | per_token_head and kv_quantize_from "
+                     f"bf16 | compute, or kv_cache auto with {key} {default}")
         if self.format not in FORMATS:
             fail("format", f"unknown format {self.format!r}", ", ".join(FORMATS))
         valid = FORMATS[self.format].scale_formats
@@ -440,6 +455,7 @@ class RunConfig:
             fail("engines.kernels", f"matched kernels replay the native generation engine; {native_only[0]} "
                                     "is not native", "distinct, or native engines")
         self._check_low_precision_knobs(native_only)
+        self._check_kv_cache()
         if self.train.padding_free and self.engines.training != "native":
             fail("train.padding_free", f"runs in the native training engine only; engines.training is "
                                        f"{self.engines.training!r}", "false, or engines.training native")
@@ -466,6 +482,19 @@ class RunConfig:
                 "none, or fp8.quantize_from bf16"
         if why:
             fail("parallel.mixed_precision", f"{self.parallel.mixed_precision!r}: the trainer {why}", valid)
+
+    def _check_kv_cache(self) -> None:
+        """The E4M3 KV cache lives in the native generation engine (vLLM's is issue 34 item 3), and its
+        trainer scales come from the native trainer's forward hooks."""
+        if self.fp8.kv_cache == "auto":
+            return
+        if self.engines.generation != "native":
+            fail("fp8.kv_cache", f"'e4m3' runs in the native generation engine only; engines.generation is "
+                                 f"{self.engines.generation!r}", "auto, or engines.generation native")
+        if self.fp8.kv_scale == "trainer" and self.engines.training != "native":
+            fail("fp8.kv_scale", f"'trainer' scales come from the native trainer; engines.training is "
+                                 f"{self.engines.training!r}",
+                 "first_forward | per_token_head, or engines.training native")
 
     def _check_guard(self) -> None:
         """The guard lives in the native training engine: Megatron-Core's optimizer steps inside its own
@@ -519,6 +548,11 @@ KEYS: tuple[KeySpec, ...] = (
     # it since (issue 23): hashed there only when not the default, so fp8_gen keeps its ids
     KeySpec("fp8.quantize_from", default="bf16", hashed="when_set_or_fp8_training", fp8_only=True, native_only=True),
     KeySpec("fp8.gemm", default="auto", **_FP8_KNOB),
+    # the KV cache (issue 34): a generation-engine knob of every recipe (bf16's too, so not fp8_only), refused
+    # off the native generation engine by RunConfig._check_kv_cache
+    KeySpec("fp8.kv_cache", default="auto", hashed="when_set"),
+    KeySpec("fp8.kv_scale", default="trainer", hashed="when_set"),
+    KeySpec("fp8.kv_quantize_from", default="bf16", hashed="when_set"),
     KeySpec("task.digits", between(1, 9)), KeySpec("task.min_digits", between(1, 9)),
     KeySpec("task.val_size", at_least(1)), KeySpec("task.data_seed", at_least(0)),
     KeySpec("task.warmstart_digits", between(1, 9)), KeySpec("task.warmstart_full_fraction", between(0, 1)),

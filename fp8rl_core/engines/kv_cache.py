@@ -9,6 +9,9 @@ Layout: keys and values of one layer live in `k[l], v[l]`: [B, Hkv, S, D], alloc
 so that masked scores and values are finite); decode step s writes slot T + s. Every row writes the
 same slot at the same step, so one additive bias [B, 1, 1, S] (KVCache.visible) is all the decode
 attention needs.
+An E4M3 cache (fp8.kv_cache e4m3, engines/kv_quant.py) is this cache with FP32 buffers holding the
+dequantized values fl32(code * scale), which the engine computes before the writes; both kernels then run in
+FP32 on them (a real FP8 cache's bytes: kv_quant.kv_cache_bytes).
 
 Kernels, as an inference engine has them (vLLM: flash-attention varlen for prefill, a paged/flash-decode
 kernel for decode), not as a trainer has them:

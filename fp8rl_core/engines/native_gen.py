@@ -21,7 +21,9 @@ FP8 (a recipe whose `generation` side is set, fp8rl_core/config/recipe.py): ever
 transformer blocks (except the first/last N blocks the recipe keeps in the dtype) is quantized
 [128, 128] once per refit from the engine's dtype copy (as vLLM quantizes the BF16 tensors it is
 sent), and its activations [1, 128] per call (fp8rl_core.fp8.fp8_linear). Embeddings, norms,
-attention and the LM head stay in the dtype.
+attention and the LM head stay in the dtype. The KV cache stays in the dtype too, unless the recipe's
+kv_cache is e4m3 (any recipe; engines/kv_quant.py): then K/V are stored as E4M3 codes and scales, and
+prefill and decode attend over them in FP32.
 Fused weights are quantized as one matrix, but each shard (q, k, v / gate, up) is first zero-padded to
 a multiple of 128 rows: a [128, 128] block then never straddles two projections, so the fused
 quantization equals per-projection quantization exactly (what HF block-FP8 checkpoints store and what
@@ -45,6 +47,7 @@ import torch.nn.functional as F
 from fp8rl_core.config.recipe import BF16, Quantization, Recipe
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.kv_cache import KVCache, decode_attention, group_prompts, prefill_attention
+from fp8rl_core.engines.kv_quant import KVQuantizer, KVScales, check_not_default
 from fp8rl_core.engines.sampling import sample_next, tempered, validate_sampling
 from fp8rl_core.fp8 import Fp8Weight, QuantWeight, fp8_linear, quantize_weight
 from fp8rl_core.fp8.lowp import concat as lowp_concat
@@ -202,6 +205,12 @@ class NativeGenerationEngine:
     KV cache and logits (BF16; FP32 for tests); seed: seeds the engine's sampling generator;
     upcast_bf16: run every BF16 matrix product (linears, attention, LM head) as FP32 on the upcast
     operands, rounded to BF16 (the emulated BF16 path; fp8rl_core/model/bf16.py).
+
+    recipe.kv_cache e4m3 (engines/kv_quant.py): K and V are quantized to E4M3 where they are written, and
+    both prefill and decode attend over the dequantized values fl32(code * scale), in FP32 (q upcast,
+    exact; the output rounded to the dtype once). With recipe.kv_scale trainer a refit must bring the
+    scales computed with the same weights (`refit(weights, step=, kv_scales=)`); generate refuses stale
+    or default ones. recipe.kv_cache auto: the cache in the dtype, as before.
     """
 
     def __init__(self, config: ModelConfig, *, recipe: Recipe = BF16, dtype: torch.dtype = torch.bfloat16,
@@ -220,6 +229,9 @@ class NativeGenerationEngine:
         self._cos, self._sin = rope_cache(config.head_dim, config.rope_theta,
                                           min(config.max_position_embeddings, ROPE_CACHE_START), dtype,
                                           self.device, config.rope_scaling)
+        self.kv = KVQuantizer(recipe.kv_scale, recipe.kv_quantize_from, config.num_hidden_layers) \
+            if recipe.kv_cache == "e4m3" else None
+        self.weights_step: int | None = None  # the training step whose weights the last refit brought
 
     # ---- weights -------------------------------------------------------------------------------
     def is_fp8_block(self, layer: int) -> bool:
@@ -227,11 +239,17 @@ class NativeGenerationEngine:
         return self.fp8 and self.recipe.fp8_block(layer, self.config.num_hidden_layers)
 
     @torch.no_grad()
-    def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def refit(self, weights: Mapping[str, torch.Tensor], *, step: int | None = None,
+              kv_scales: KVScales | None = None) -> None:
         """Rebuild the engine's weight copy from HF-named tensors (any float dtype; copied, never aliased).
 
+        step: the training step of these weights; kv_scales: the trainer's KV scales (kv_scale trainer),
+        which must have been computed at `step` (checked at generate, not here: a refit may come first).
         Raises KeyError naming missing/unexpected keys and ValueError naming a tensor of the wrong shape.
         """
+        self.weights_step = step
+        if self.kv is not None:
+            self.kv.refit(step, kv_scales if self.kv.mode == "trainer" else None)
         expected = expected_shapes(self.config)
         # shapes and dtypes only: from the shards of a sharded trainer's GatheredWeights (no all-gather)
         check_state_dict(getattr(weights, "shards", weights), expected, self.config.tie_word_embeddings)
@@ -329,17 +347,25 @@ class NativeGenerationEngine:
             def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor = rows,
                        start: int = start, which: torch.Tensor = which) -> torch.Tensor:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [U, H, L, D]
+                if self.kv is not None:  # E4M3 cache: prefill attends over what it stores too (FP32)
+                    k, v = self.kv.apply(i, k, v)
+                    q = q.float()
                 if cache is not None:
                     cache.write_rows(i, rows, start, k[which], v[which])
-                return prefill_attention(q, k, v, self.upcast_bf16)
+                return prefill_attention(q, k, v, self.upcast_bf16).to(self.dtype)
 
             yield rows, which, self._forward(ids, torch.arange(ids.shape[1], device=self.device), attend)
+            if self.kv is not None:
+                self.kv.end_prefill()  # first_forward: the first group's forward set the scales
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int, cache: KVCache) -> torch.Tensor:
         """tokens, positions Long[B] written at cache slot `slot` -> hidden [B, hidden]."""
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if self.kv is not None:  # E4M3 cache (FP32 buffers of the dequantized values): attend in FP32
+                k, v = self.kv.apply(i, k[:, :, None], v[:, :, None])
+                k, v, q = k[:, :, 0], v[:, :, 0], q.float()
             cache.write(i, slot, k, v)
-            return decode_attention(q, cache.k[i], cache.v[i], cache.visible, self.upcast_bf16)
+            return decode_attention(q, cache.k[i], cache.v[i], cache.visible, self.upcast_bf16).to(self.dtype)
 
         return self._forward(tokens, positions, attend)
 
@@ -365,6 +391,28 @@ class NativeGenerationEngine:
     def _check_ready(self) -> None:
         if not self.blocks:
             raise RuntimeError("NativeGenerationEngine: no weights; call refit(weights) first")
+        if self.kv is not None and self.kv.mode == "trainer":
+            self._check_kv_scales()
+
+    def _check_kv_scales(self) -> None:
+        """kv_scale trainer: the scales must be the trainer's for the weights in use, never defaults."""
+        scales = self.kv.scales
+        if scales is None:
+            raise RuntimeError(f"KV cache (fp8.kv_scale trainer): the refit to the weights of step "
+                               f"{self.weights_step} brought no KV scales; every layer would run with a "
+                               "default scale (NeMo RL PR #3226). Refit with kv_scales from the trainer")
+        if scales.step != self.weights_step:
+            raise RuntimeError(f"KV cache (fp8.kv_scale trainer): stale KV scales, computed with the weights of "
+                               f"step {scales.step}, while the weights in use are step {self.weights_step}")
+        check_not_default(scales)
+
+    def kv_scales_in_use(self) -> tuple[float, float] | None:
+        """(step, checksum) of the KV scales the last generate call used: the training step whose weights
+        they were computed with (-1: unknown) and kv_quant.checksum of them; None without an E4M3 KV cache."""
+        if self.kv is None:
+            return None
+        step, total = self.kv.in_use()
+        return float(step if step is not None else -1), total
 
     @torch.no_grad()
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -416,8 +464,10 @@ class NativeGenerationEngine:
         Returns (cache, logits [B, V] of the next token, prompt lengths Long[B], width = longest prompt)."""
         cfg, dev = self.config, self.device
         b, width = len(prompts), max(len(p) for p in prompts)
+        if self.kv is not None:
+            self.kv.begin_call()
         cache = KVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, width + steps, cfg.head_dim,
-                        self.dtype, dev)
+                        torch.float32 if self.kv is not None else self.dtype, dev)
         last = torch.empty(b, cfg.hidden_size, dtype=self.dtype, device=dev)
         for rows, which, hidden in self._prefill(prompts, cache, width):
             last[rows] = hidden[which, -1]

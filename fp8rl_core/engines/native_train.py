@@ -39,8 +39,10 @@ from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.distributed.parallel import GatheredWeights, shard_model
 from fp8rl_core.engines.base import Importance, TrainBatch, TrainResult
 from fp8rl_core.engines.guard import StepGuard
+from fp8rl_core.engines.kv_quant import KVScales, trainer_scales
 from fp8rl_core.model.bf16 import upcast_bf16_matmuls
 from fp8rl_core.model.fp8_policy import apply_fp8
+from fp8rl_core.model.layers import Attention
 from fp8rl_core.model.llama import CausalLM
 from fp8rl_core.model.packing import Packed, pack
 
@@ -207,6 +209,39 @@ class NativeTrainingEngine:
         """Float32[B, T] log-probs of batch.input_ids under the current weights; 0 off response_mask.
         Runs `logprob_batch_size` sequences per forward (rows are independent: same values)."""
         return _chunked_logprobs(self._forward, batch, self.temperature, self.logprob_batch_size)
+
+    @torch.no_grad()
+    def kv_scales(self, batch: TrainBatch, step: int) -> KVScales:
+        """The generation engine's E4M3 KV-cache scales for the current weights (fp8.kv_scale trainer, NeMo RL's
+        design): one forward per micro-batch (`micro_batch_size` rows) of `batch`, no gradient, as a training
+        forward runs; per forward and layer the amax of post-RoPE K and of V over the real tokens (read by
+        each Attention's kv_observer: the forward's numerics are untouched); then kv_quant.trainer_scales
+        (99.9th percentile over forwards x 1.05 / 448, max over ranks). `step`: the step of these weights."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        k_amax, v_amax, real = [], [], [None]
+
+        def observer(layer: int):
+            def observe(k: torch.Tensor, v: torch.Tensor) -> None:
+                ka, va = k.abs().amax(dim=(1, 3)).float(), v.abs().amax(dim=(1, 3)).float()  # [B, T]
+                if real[0] is not None and ka.shape == real[0].shape:  # padded rows: real tokens only
+                    ka, va = ka.masked_fill(~real[0], 0.0), va.masked_fill(~real[0], 0.0)
+                k_amax[-1][layer], v_amax[-1][layer] = ka.max(), va.max()
+            return observe
+
+        for i, attn in enumerate(layers):
+            attn.kv_observer = observer(i)
+        try:
+            for rows in row_chunks(batch.input_ids.shape[0], self.micro_batch_size):
+                sub = _rows(batch, rows)
+                k_amax.append([None] * len(layers))
+                v_amax.append([None] * len(layers))
+                real[0] = None if sub.attention_mask is None else sub.attention_mask.to(self.device).bool()
+                self._forward(sub.input_ids, sub.attention_mask, self.temperature)
+        finally:
+            for attn in layers:
+                attn.kv_observer = None
+        stack = lambda a: torch.stack([torch.stack(f) for f in a]).cpu()  # noqa: E731  [F, L]
+        return trainer_scales(stack(k_amax), stack(v_amax), step, self.mesh)
 
     def train_step(self, batch: TrainBatch, importance: Importance | None = None,
                    step_mismatch: float | None = None) -> TrainResult:

@@ -20,6 +20,7 @@ catalogue's metrics and each decoder layer's relative hidden-state error.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,10 @@ def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: RunC
     model.tie_weights()
     temp, recipe = cfg.rollout.temperature, recipe_of(cfg)
     both = resolve_recipe("fp8_e2e", cfg.fp8)  # the run's FP8 knobs on both sides: what the variants quantize
+    if both.kv_cache == "e4m3" and both.kv_scale == "trainer":
+        # the trainer's KV scales are not saved with a rollout: the replay's cache stays in the dtype (the engine
+        # would refuse to run without the scales of these weights; engines/kv_quant.py)
+        both = dataclasses.replace(both, kv_cache="auto")
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     excl, p2 = both.fp8_exclusions(model_config.num_hidden_layers), both.training.power_of_two_scales
     source = quantize_source(both.training, dtype)  # what the run's engines round a weight to before Q(W)

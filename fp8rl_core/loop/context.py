@@ -15,7 +15,7 @@ import torch
 from fp8rl_core.config import RunConfig
 from fp8rl_core.config.recipe import BF16, Recipe
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
-from fp8rl_core.engines.base import GenerationEngine, LogprobEngine, TrainingEngine
+from fp8rl_core.engines.base import GenerationEngine, LogprobEngine, TrainBatch, TrainingEngine
 from fp8rl_core.model.tokenizer import Tokenizer
 from fp8rl_core.tasks import Task
 
@@ -38,12 +38,40 @@ class RunContext:
     bf16_gen: GenerationEngine | None = None
     recipe: Recipe = BF16  # the run's recipe, resolved once (config.recipe_of): what each engine quantizes
     numerics: dict[str, str] = field(default_factory=dict)  # what ran: BF16 path, CPU flags (MLflow tags)
+    # the training step whose weights the trainer holds (0: the initial weights); grpo_step counts it up
+    # before its refit, a resume sets it to the restored step
+    weights_step: int = 0
     _bf16_stale: bool = True
 
-    def refit_generation(self) -> None:
-        """Refit the generation engine from the trainer's current weights (after every update)."""
-        self.gen.refit(self.train.weights())
+    def refit_generation(self, batch: TrainBatch | None = None) -> None:
+        """Refit the generation engine from the trainer's current weights (after every update).
+
+        With an E4M3 KV cache (fp8.kv_cache e4m3) the refit names the weights' step, and under fp8.kv_scale
+        trainer carries the trainer's KV scales for these weights, computed on `batch` (the step's batch;
+        None: the calibration batch, kv_calibration_batch)."""
+        if self.recipe.kv_cache != "e4m3":
+            self.gen.refit(self.train.weights())
+        elif self.recipe.kv_scale == "trainer":
+            scales = self.train.kv_scales(batch if batch is not None else self.kv_calibration_batch(),
+                                          self.weights_step)
+            self.gen.refit(self.train.weights(), step=self.weights_step, kv_scales=scales)
+        else:
+            self.gen.refit(self.train.weights(), step=self.weights_step)
         self._bf16_stale = True
+
+    def kv_calibration_batch(self) -> TrainBatch:
+        """What the trainer computes KV scales on when no step's batch exists (the initial weights, a resume):
+        rollout.prompts_per_step prompts drawn with their own RNG (the data stream is untouched), prompt
+        tokens only, right-padded."""
+        rng = random.Random(f"fp8rl-kv-calibration-{self.cfg.seed}-{self.weights_step}")
+        prompts = [self.tokenizer.encode_prompt(ex.prompt)
+                   for ex in self.task.sample_train(rng, self.cfg.rollout.prompts_per_step)]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p, dtype=torch.long), True
+        return TrainBatch(ids, mask, torch.zeros_like(mask))
 
     def bf16_engine(self) -> GenerationEngine:
         """The BF16 generation engine on the trainer's current weights (the arm's own if it is BF16)."""

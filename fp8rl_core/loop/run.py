@@ -69,7 +69,8 @@ def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> i
     if own:
         ctx.shuffle.set_state(rank_state["shuffle"])
         ctx.gen.generator.set_state(rank_state["gen_rng"])
-    ctx.refit_generation()
+    ctx.weights_step = int(rank_state["step"])
+    ctx.refit_generation()  # kv_scale trainer: the scales from the calibration batch (the step's is not kept)
     return int(rank_state["step"])
 
 

@@ -45,7 +45,15 @@ from fp8rl_core.engines.base import GenerationOutput, SamplingParams, TrainBatch
 from fp8rl_core.fp8.gemm import executor_flags
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
-from fp8rl_core.tracking import M_IS_WEIGHT, M_MISMATCH, M_REWARD, M_STEP_TIME, M_TOKENS_PER_S
+from fp8rl_core.tracking import (
+    M_IS_WEIGHT,
+    M_KV_SCALE_CHECKSUM,
+    M_KV_SCALE_STEP,
+    M_MISMATCH,
+    M_REWARD,
+    M_STEP_TIME,
+    M_TOKENS_PER_S,
+)
 
 
 @dataclass(frozen=True)
@@ -173,12 +181,22 @@ def _global_stats(mesh: Mesh, rewards: torch.Tensor, old: torch.Tensor, gen: tor
             "is_fraction_truncated": per_token(trunc), "is_fraction_masked": per_token(masked)}
 
 
+def kv_scale_metrics(ctx: RunContext) -> dict[str, float]:
+    """M_KV_SCALE_STEP and M_KV_SCALE_CHECKSUM of the KV scales the last rollout used (fp8.kv_cache e4m3
+    only; {} otherwise): the training step whose weights they were computed with, and a checksum of them."""
+    if ctx.recipe.kv_cache != "e4m3":
+        return {}
+    step, total = ctx.gen.kv_scales_in_use()
+    return {M_KV_SCALE_STEP: step, M_KV_SCALE_CHECKSUM: total}
+
+
 def grpo_step(ctx: RunContext) -> StepResult:
     """Run one step; returns its metrics (names per the MLflow contract in docs/design.md, global over ranks)
     and this rank's batch (StepResult)."""
     t_start = time.perf_counter()
     loss_cfg = ctx.cfg.loss
     prompts, out, rewards, gen_s = _rollout(ctx)
+    kv_metrics = kv_scale_metrics(ctx)  # the scales this rollout used, before the refit replaces them
     batch = build_train_batch(prompts, out, ctx.tokenizer.pad_id)
     adv = grpo.group_advantages(rewards).reshape(-1)
     batch.advantages = broadcast_advantages(adv, batch.response_mask)
@@ -195,7 +213,8 @@ def grpo_step(ctx: RunContext) -> StepResult:
         batch.ref_logprobs = ctx.ref.logprobs(batch)
     t_train = time.perf_counter()
     train_metrics = _train(ctx, batch, reuse)
-    ctx.refit_generation()
+    ctx.weights_step += 1
+    ctx.refit_generation(batch)  # under fp8.kv_scale trainer the KV scales come from this batch, new weights
     train_s = time.perf_counter() - t_train
     isw = importance_from_config(loss_cfg, batch.old_logprobs, batch.gen_logprobs, mask, advantages=batch.advantages)
     stats = _global_stats(ctx.mesh, rewards, batch.old_logprobs, batch.gen_logprobs, mask, isw)
@@ -210,6 +229,7 @@ def grpo_step(ctx: RunContext) -> StepResult:
         **train_metrics,
         **observe_step(batch, ctx.mesh),  # the mismatch-metric catalogue (fp8rl_core/diagnostics)
         **executor_flags(),  # a CUDA GEMM fell back to BF16 output: say so in the run, not only in a warning
+        **kv_metrics,
     }
     metrics[M_STEP_TIME] = time.perf_counter() - t_start
     metrics[M_TOKENS_PER_S] = n_resp / metrics[M_STEP_TIME]  # response tokens generated + trained per second

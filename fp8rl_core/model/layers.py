@@ -95,6 +95,9 @@ class Attention(nn.Module):
         o_bias = qkv_bias and cfg.model_type == "llama"
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=o_bias)
         self.upcast_bf16 = False  # BF16 attention on FP32 upcasts (model/bf16.py: upcast_bf16_matmuls)
+        # called as kv_observer(k, v) with post-RoPE k and v [B, Hkv, T, D] (packed: [1, Hkv, N, D]) when set:
+        # the trainer's KV-scale calibration reads them (engines/native_train.py kv_scales); reads only
+        self.kv_observer = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 packed: Packed | None = None) -> torch.Tensor:
@@ -108,6 +111,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, q.dtype, self.rope_scaling)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
         if packed is not None:  # [1, heads, N, D] -> [B, heads, L, D]: one row per sequence
             q, k, v = (packed.to_grid(z[0].transpose(0, 1)).transpose(1, 2) for z in (q, k, v))
         if self.n_kv != self.n_heads:  # GQA: each kv head serves n_heads / n_kv query heads

@@ -64,6 +64,12 @@ BEST_PREFIX = "best_"  # a search's parent run logs best_<search.metric>
 # and the share of its sequences left out of the loss. Not in STEP_METRICS: a run without the guard has none.
 M_GUARD_SKIPPED = "guard_skipped"
 M_GUARD_MASKED_FRACTION = "guard_masked_fraction"
+# The E4M3 KV cache (fp8.kv_cache e4m3, fp8rl_core/engines/kv_quant.py), every step while it is on: the training
+# step whose weights the KV scales of the step's rollout were computed with (the refit's step for first_forward,
+# the generating weights' step for per_token_head), and a checksum of those scales (crc32 of their FP32 bytes,
+# 24 bits: exact as a float). Not in STEP_METRICS: a run with the cache in the compute dtype has none.
+M_KV_SCALE_STEP = "kv_scale_step"
+M_KV_SCALE_CHECKSUM = "kv_scale_checksum"
 # What every training step logs, and what every validation step (step 0 and every val_every) adds.
 STEP_METRICS = (M_MISMATCH, M_REWARD, M_IS_WEIGHT, M_LOSS, M_STEP_TIME, *TAIL_FRACTIONS)
 VALIDATION_METRICS = (M_VAL_ACC, M_VAL_ACC_BF16_EVAL)

@@ -27,10 +27,13 @@ OLD_RANGE_COUNT = 58
 # keys added since, each hashed only when set (so the ids above stay), with a range
 ADDED_WHEN_SET = {"loss.is_seq_low": 0.0, "loss.is_seq_high": 3.0, "loss.is_prob_low": 0.2,  # issue 34
                   "loss.is_prob_high": 0.2, "loss.rollout_kl_coef": 0.0}
+# keys added since without a range (not numeric), each hashed only when set; the KV cache's are not fp8-only (the
+# bf16 recipe's generation engine has a KV cache too) nor native_only (refused off native by _check_kv_cache)
+ADDED_WHEN_SET_NO_RANGE = {"fp8.kv_cache": "auto", "fp8.kv_scale": "trainer", "fp8.kv_quantize_from": "bf16"}
 
 
 def test_the_derived_tables_equal_the_hand_written_ones():
-    assert rc.HASH_IF_NOT_DEFAULT == {**OLD_HASH_IF_NOT_DEFAULT, **ADDED_WHEN_SET}
+    assert rc.HASH_IF_NOT_DEFAULT == {**OLD_HASH_IF_NOT_DEFAULT, **ADDED_WHEN_SET, **ADDED_WHEN_SET_NO_RANGE}
     assert rc.HASH_FP8_TRAINING_ONLY == OLD_HASH_FP8_TRAINING_ONLY
     assert sorted(rc.FP8_ONLY_KEYS) == sorted(OLD_FP8_ONLY_KEYS) and len(rc.FP8_ONLY_KEYS) == 4
     assert list(rc.NATIVE_ONLY_KEYS.items()) == OLD_NATIVE_ONLY

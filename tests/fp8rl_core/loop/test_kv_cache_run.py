@@ -1,0 +1,69 @@
+"""The E4M3 KV cache in the run loop (fp8.kv_cache e4m3): a 2-step tiny run per scale design logs kv_scale_step
+equal to the step whose weights generated (step s generates with the weights of step s - 1), the KV cache in
+the compute dtype logs no KV metrics, and a refit that updates the weights but not the trainer's scales makes
+generation raise."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp8rl_core.config import load_run_config
+from fp8rl_core.loop.builder import build_context
+from fp8rl_core.loop.run import run
+from fp8rl_core.loop.step import sampling_params
+from fp8rl_core.tracking import M_KV_SCALE_CHECKSUM, M_KV_SCALE_STEP, M_MISMATCH
+
+
+def _tiny(tmp_path, name, *extra):
+    return load_run_config(None, [
+        f"output_dir={tmp_path / name}", f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=10",
+        "warmstart.batch_size=16", "train.steps=2", "train.val_every=2", "train.checkpoint_every=2",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3", "rollout.max_new_tokens=5",
+        "task.val_size=6", "threads=1", *extra])
+
+
+def _metrics(path):
+    out = {}
+    for line in (path / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "metrics":
+            out.setdefault(rec["step"], {}).update(rec["values"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_scale", ["trainer", "first_forward", "per_token_head"])
+def test_two_steps_log_the_step_whose_weights_generated(tmp_path, kv_scale):
+    run(_tiny(tmp_path, kv_scale, "recipe=fp8_e2e", "fp8.kv_cache=e4m3", f"fp8.kv_scale={kv_scale}"), progress=False)
+    m = _metrics(tmp_path / kv_scale)
+    for step in (1, 2):
+        assert m[step][M_KV_SCALE_STEP] == step - 1
+        total = m[step][M_KV_SCALE_CHECKSUM]
+        assert 0 <= total < 2**24 and total == int(total)
+        assert m[step][M_MISMATCH] >= 1.0
+    if kv_scale != "per_token_head":  # new weights, new scales
+        assert m[1][M_KV_SCALE_CHECKSUM] != m[2][M_KV_SCALE_CHECKSUM]
+
+
+@pytest.mark.slow
+def test_kv_cache_auto_logs_no_kv_metrics(tmp_path):
+    run(_tiny(tmp_path, "auto", "recipe=fp8_e2e"), progress=False)
+    m = _metrics(tmp_path / "auto")
+    assert M_KV_SCALE_STEP not in m[1] and M_KV_SCALE_CHECKSUM not in m[2]
+
+
+@pytest.mark.slow
+def test_a_stale_refit_makes_generation_raise(tmp_path):
+    cfg = _tiny(tmp_path, "stale", "fp8.kv_cache=e4m3")
+    ctx = build_context(cfg, progress=False)
+    prompts = [ctx.tokenizer.encode_prompt(ex.prompt) for ex in ctx.task.sample_train(ctx.data_rng, 2)]
+    ctx.gen.generate(prompts, sampling_params(cfg))  # fresh: the initial weights' scales (step 0)
+    scales = ctx.gen.kv.scales
+    ctx.weights_step += 1
+    ctx.gen.refit(ctx.train.weights(), step=ctx.weights_step, kv_scales=scales)  # weights updated, scales not
+    with pytest.raises(RuntimeError, match="stale KV scales"):
+        ctx.gen.generate(prompts, sampling_params(cfg))
+    ctx.refit_generation()  # the loop's refit brings the trainer's scales for these weights
+    ctx.gen.generate(prompts, sampling_params(cfg))
+    assert ctx.gen.kv_scales_in_use()[0] == 1.0
