@@ -140,9 +140,13 @@ class KVQuantizer:
         self._written = torch.zeros(2, layers)  # per_token_head: the largest scale written per layer (checksum)
 
     def refit(self, step: int | None, scales: KVScales | None) -> None:
+        """New weights of training step `step`. trainer: `scales` are the trainer's for them. first_forward:
+        the next prefill computes the scales, unless `scales` (computed with these weights, kept by a
+        checkpoint) are handed back: a resume then uses what the uninterrupted run used."""
         self.scales = scales
         if self.mode == "first_forward":
-            self.pending, self.scales = True, None
+            kept = scales is not None and scales.step == step
+            self.pending, self.scales = not kept, scales if kept else None
             self._k, self._v = [None] * self.layers, [None] * self.layers
             self._step = step
         elif self.mode == "per_token_head":

@@ -244,12 +244,13 @@ class NativeGenerationEngine:
         """Rebuild the engine's weight copy from HF-named tensors (any float dtype; copied, never aliased).
 
         step: the training step of these weights; kv_scales: the trainer's KV scales (kv_scale trainer),
-        which must have been computed at `step` (checked at generate, not here: a refit may come first).
+        which must have been computed at `step` (checked at generate, not here: a refit may come first), or
+        under kv_scale first_forward the scales a checkpoint kept for these weights (a resume).
         Raises KeyError naming missing/unexpected keys and ValueError naming a tensor of the wrong shape.
         """
         self.weights_step = step
         if self.kv is not None:
-            self.kv.refit(step, kv_scales if self.kv.mode == "trainer" else None)
+            self.kv.refit(step, kv_scales if self.kv.mode in ("trainer", "first_forward") else None)
         expected = expected_shapes(self.config)
         # shapes and dtypes only: from the shards of a sharded trainer's GatheredWeights (no all-gather)
         check_state_dict(getattr(weights, "shards", weights), expected, self.config.tie_word_embeddings)
@@ -405,6 +406,14 @@ class NativeGenerationEngine:
             raise RuntimeError(f"KV cache (fp8.kv_scale trainer): stale KV scales, computed with the weights of "
                                f"step {scales.step}, while the weights in use are step {self.weights_step}")
         check_not_default(scales)
+
+    def held_kv_scales(self) -> KVScales | None:
+        """The per-layer KV scales this engine holds for its current weights (fp8.kv_scale trainer: the
+        trainer's; first_forward: once its first prefill computed them; None otherwise). A checkpoint keeps
+        them and a resume hands them back (refit(kv_scales=)), so that it generates as the uninterrupted run."""
+        if self.kv is None or self.kv.mode not in ("trainer", "first_forward") or self.kv.pending:
+            return None
+        return self.kv.scales
 
     def kv_scales_in_use(self) -> tuple[float, float] | None:
         """(step, checksum) of the KV scales the last generate call used: the training step whose weights

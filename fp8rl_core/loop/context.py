@@ -16,6 +16,7 @@ from fp8rl_core.config import RunConfig
 from fp8rl_core.config.recipe import BF16, Recipe
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines.base import GenerationEngine, LogprobEngine, TrainBatch, TrainingEngine
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.model.tokenizer import Tokenizer
 from fp8rl_core.tasks import Task
 
@@ -43,20 +44,21 @@ class RunContext:
     weights_step: int = 0
     _bf16_stale: bool = True
 
-    def refit_generation(self, batch: TrainBatch | None = None) -> None:
+    def refit_generation(self, batch: TrainBatch | None = None, kv_scales: KVScales | None = None) -> None:
         """Refit the generation engine from the trainer's current weights (after every update).
 
         With an E4M3 KV cache (fp8.kv_cache e4m3) the refit names the weights' step, and under fp8.kv_scale
         trainer carries the trainer's KV scales for these weights, computed on `batch` (the step's batch;
-        None: the calibration batch, kv_calibration_batch)."""
+        None: the calibration batch, kv_calibration_batch), unless `kv_scales` hands them in (a resume: the
+        scales the checkpoint kept for these weights)."""
         if self.recipe.kv_cache != "e4m3":
             self.gen.refit(self.train.weights())
         elif self.recipe.kv_scale == "trainer":
-            scales = self.train.kv_scales(batch if batch is not None else self.kv_calibration_batch(),
-                                          self.weights_step)
+            scales = kv_scales or self.train.kv_scales(batch if batch is not None else self.kv_calibration_batch(),
+                                                       self.weights_step)
             self.gen.refit(self.train.weights(), step=self.weights_step, kv_scales=scales)
-        else:
-            self.gen.refit(self.train.weights(), step=self.weights_step)
+        else:  # first_forward: the engine computes them on its next prefill, unless a resume hands them back
+            self.gen.refit(self.train.weights(), step=self.weights_step, kv_scales=kv_scales)
         self._bf16_stale = True
 
     def kv_calibration_batch(self) -> TrainBatch:

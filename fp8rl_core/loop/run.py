@@ -28,6 +28,7 @@ from fp8rl_core.diagnostics.tokens import after_step
 from fp8rl_core.distributed import shutdown
 from fp8rl_core.engines import base as engines
 from fp8rl_core.engines.guard import guard_note
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.fp8.preflight import PreflightError, metrics_from_params
 from fp8rl_core.fp8.quant import check_nonfinite
 from fp8rl_core.io import checkpoint as ckpt
@@ -51,9 +52,22 @@ class RunFailed(RuntimeError):
 def _capture(ctx: RunContext, step: int) -> dict[str, Any]:
     """This rank's non-tensor state: prompt-sampling RNG, minibatch shuffle, sampler, torch RNG.
     (Model, optimizer and engine step go through DCP: ckpt.EngineState.)"""
-    return {"step": step, "data_rng": ctx.data_rng.getstate(), "shuffle": ctx.shuffle.get_state(),
-            "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state(),
-            "bf16_compute": ctx.numerics.get(TAG_BF16_COMPUTE, "")}
+    state = {"step": step, "data_rng": ctx.data_rng.getstate(), "shuffle": ctx.shuffle.get_state(),
+             "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state(),
+             "bf16_compute": ctx.numerics.get(TAG_BF16_COMPUTE, "")}
+    scales = _held_kv_scales(ctx)
+    if scales is not None:  # computed on a batch (the step's, the first prefill's) a resume no longer has
+        state["kv_scales"] = {"k": scales.k, "v": scales.v, "step": scales.step, "amax_k": scales.amax_k,
+                              "amax_v": scales.amax_v}
+    return state
+
+
+def _held_kv_scales(ctx: RunContext) -> KVScales | None:
+    """The per-layer KV scales the generation engine holds for its weights (fp8.kv_cache e4m3 with kv_scale
+    trainer or first_forward: the native engine only, config-checked), else None."""
+    if ctx.recipe.kv_cache != "e4m3" or ctx.recipe.kv_scale == "per_token_head":
+        return None
+    return ctx.gen.held_kv_scales()
 
 
 def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> int:
@@ -70,7 +84,9 @@ def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> i
         ctx.shuffle.set_state(rank_state["shuffle"])
         ctx.gen.generator.set_state(rank_state["gen_rng"])
     ctx.weights_step = int(rank_state["step"])
-    ctx.refit_generation()  # kv_scale trainer: the scales from the calibration batch (the step's is not kept)
+    kept = rank_state.get("kv_scales")  # the KV scales the run had for these weights (kv_scale trainer, first_forward)
+    ctx.refit_generation(kv_scales=None if kept is None else KVScales(
+        kept["k"], kept["v"], int(kept["step"]), kept.get("amax_k"), kept.get("amax_v")))
     return int(rank_state["step"])
 
 

@@ -67,3 +67,25 @@ def test_a_stale_refit_makes_generation_raise(tmp_path):
     ctx.refit_generation()  # the loop's refit brings the trainer's scales for these weights
     ctx.gen.generate(prompts, sampling_params(cfg))
     assert ctx.gen.kv_scales_in_use()[0] == 1.0
+
+
+def _is_timing(key: str) -> bool:
+    return key.endswith("time_s") or key.endswith("per_s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_scale", ["trainer", "first_forward"])
+def test_a_resume_is_bit_identical_with_an_e4m3_kv_cache(tmp_path, kv_scale):
+    """A checkpoint keeps the trainer's KV scales (computed on the step's batch, which a resume no longer has),
+    and first_forward recomputes them on the same first prefill: every metric of every step matches the
+    uninterrupted run bit for bit, the KV-scale checksum included."""
+    extra = ["recipe=fp8_e2e", "fp8.kv_cache=e4m3", f"fp8.kv_scale={kv_scale}", "train.steps=4",
+             "train.checkpoint_every=2"]
+    run(_tiny(tmp_path, "straight", *extra), progress=False)
+    interrupted = _tiny(tmp_path, "interrupted", *extra)
+    run(interrupted, progress=False, stop_after=2)
+    run(interrupted, progress=False)
+    drop = lambda m: {s: {k: v for k, v in vals.items() if not _is_timing(k)} for s, vals in m.items()}  # noqa: E731
+    a, b = drop(_metrics(tmp_path / "straight")), drop(_metrics(tmp_path / "interrupted"))
+    assert sorted(a) == [0, 1, 2, 3, 4] and a[3][M_KV_SCALE_STEP] == 2.0
+    assert a == b
