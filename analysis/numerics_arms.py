@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fp8rl_core.config import Fp8Spec
+from fp8rl_core.config import Fp8Spec, LossSpec
 from fp8rl_core.fp8.formats import FORMATS  # torch-free registry
 
 DEFAULT_ARM = "default"
 # the knobs and their defaults as the params read them (strings), from the run config itself; the order
 # of labels and of the table
-KNOBS = ("format", "scale_format", "quantize_from", "lm_head", "bf16_first_layers", "bf16_last_layers")
-KNOB_DEFAULTS = {f"fp8.{k}": str(getattr(Fp8Spec(), k)) for k in KNOBS}
+KNOBS = ("format", "scale_format", "quantize_from", "lm_head", "bf16_first_layers", "bf16_last_layers",
+         "kv_cache", "kv_scale", "kv_quantize_from")  # the fp8.* knobs; the FP8 KV cache's last (issue 34)
+OTHER_KNOBS = ("importance_sampling",)  # the loss.* knobs: a mismatch correction (sweeps/fp8_corrections.yaml)
+KNOB_DEFAULTS = {**{f"fp8.{k}": str(getattr(Fp8Spec(), k)) for k in KNOBS},
+                 **{f"loss.{k}": str(getattr(LossSpec(), k)) for k in OTHER_KNOBS}}
 FORMAT, SCALE_FORMAT = "fp8.format", "fp8.scale_format"
 LEGACY_POW2 = "fp8.power_of_two_scales"  # true = scale_format pow2
 INT_KNOBS = ("fp8.bf16_first_layers", "fp8.bf16_last_layers")

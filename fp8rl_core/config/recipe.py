@@ -20,7 +20,8 @@ from typing import Any
 
 from fp8rl_core.fp8.quantization import Quantization  # the kernels' configuration, re-exported here
 
-__all__ = ["BF16", "RECIPES", "RECIPE_KNOBS", "Quantization", "Recipe", "get_recipe", "resolve_recipe"]
+__all__ = ["BF16", "RECIPES", "RECIPE_KNOBS", "VLLM_KV_CACHE_REFUSALS", "Quantization", "Recipe", "get_recipe",
+           "resolve_recipe", "vllm_kv_cache_error"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,31 @@ def get_recipe(name: str) -> Recipe:
 
 RECIPE_KNOBS = ("bf16_first_layers", "bf16_last_layers", "lm_head",  # the run config's fp8.* keys a Recipe holds
                 "kv_cache", "kv_scale", "kv_quantize_from")
+
+
+# Why vLLM 0.32.0 (CPU build) cannot hold our E4M3 KV cache, per fp8.kv_scale design (read in its source; docs/design.md
+# "FP8 KV cache"). Its CPU attention backend takes kv_cache_dtype fp8 | fp8_e4m3 | fp8_e5m2 with AVX-512 or AMX only
+# (v1/attention/backends/cpu_attn.py, _get_attn_isa), with one K and one V scale per layer, 1.0 unless the
+# checkpoint holds them (NeMo RL PR #3226's silent failure).
+VLLM_KV_CACHE_REFUSALS = {
+    "trainer": "vLLM cannot take new per-layer KV scales at a refit without a patch: "
+               "BaseKVCacheMethod.process_weights_after_loading (vllm/model_executor/layers/quantization/"
+               "kv_cache.py) deletes the k_scale / v_scale parameters after the first load, a reload then skips "
+               "them ('no weights to process'), and the CPU attention reads layer._k_scale_float, a float copied once",
+    "first_forward": "vLLM no longer computes KV scales from the first forward (calculate_kv_scales is gone); "
+                     "its FP8 cache would run at the checkpoint's scales or 1.0",
+    "per_token_head": "vLLM's CPU attention backend has no per-token-head KV dtype (CPUAttentionBackend."
+                      "supported_kv_cache_dtypes: auto, fp8, fp8_e4m3, fp8_e5m2; one scale per layer)",
+}
+
+
+def vllm_kv_cache_error(recipe: Recipe) -> str | None:
+    """Why the vLLM engine refuses this recipe's KV cache (None: `auto`, vLLM's cache in the compute dtype)."""
+    if recipe.kv_cache == "auto":
+        return None
+    return (f"fp8.kv_cache: {recipe.kv_cache!r} with fp8.kv_scale {recipe.kv_scale!r} cannot run in "
+            f"engines.generation 'vllm': {VLLM_KV_CACHE_REFUSALS[recipe.kv_scale]}; valid: fp8.kv_cache auto with "
+            f"engines.generation vllm, or engines.generation native (every kv_scale)")
 
 
 def resolve_recipe(name: str, knobs: Any = None) -> Recipe:

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import yaml
 
-from fp8rl_core.config.recipe import RECIPES, Recipe, resolve_recipe
+from fp8rl_core.config.recipe import RECIPES, VLLM_KV_CACHE_REFUSALS, Recipe, resolve_recipe
 from fp8rl_core.config.schema import (
     ConfigError,
     KeySpec,
@@ -484,13 +484,16 @@ class RunConfig:
             fail("parallel.mixed_precision", f"{self.parallel.mixed_precision!r}: the trainer {why}", valid)
 
     def _check_kv_cache(self) -> None:
-        """The E4M3 KV cache lives in the native generation engine (vLLM's is issue 34 item 3), and its
-        trainer scales come from the native trainer's forward hooks."""
+        """The E4M3 KV cache lives in the native generation engine; vLLM refuses each design with its own reason
+        (recipe.VLLM_KV_CACHE_REFUSALS, read in vLLM 0.32.0's source); trainer scales come from the native
+        trainer's forward hooks."""
         if self.fp8.kv_cache == "auto":
             return
         if self.engines.generation != "native":
-            fail("fp8.kv_cache", f"'e4m3' runs in the native generation engine only; engines.generation is "
-                                 f"{self.engines.generation!r}", "auto, or engines.generation native")
+            fail("fp8.kv_cache", f"{self.fp8.kv_cache!r} with fp8.kv_scale {self.fp8.kv_scale!r} runs in the native "
+                                 f"generation engine only; engines.generation {self.engines.generation!r} cannot: "
+                                 f"{VLLM_KV_CACHE_REFUSALS[self.fp8.kv_scale]}",
+                 "fp8.kv_cache auto with engines.generation vllm, or engines.generation native (every kv_scale)")
         if self.fp8.kv_scale == "trainer" and self.engines.training != "native":
             fail("fp8.kv_scale", f"'trainer' scales come from the native trainer; engines.training is "
                                  f"{self.engines.training!r}",

@@ -1,7 +1,7 @@
 """The run's diagnostics hook: catalogue metrics per step, worst-token tables, saved rollout batches.
 
     grpo_step:  metrics.update(observe_step(batch, mesh))      # catalogue metrics of the step's batch
-    run loop:   after_step(cfg, tokenizer, model_config, result.batch, sink, step)   # tables and rollouts
+    run loop:   after_step(cfg, tokenizer, model_config, result.batch, sink, step, result.kv_scales)  # files
 
 Files under the run's output_dir (rank 0 only writes them, as everything else a run writes):
 - `diagnostics/worst_tokens.jsonl`: every `diagnostics.worst_tokens_every` steps, the k valid tokens with
@@ -10,7 +10,8 @@ Files under the run's output_dir (rank 0 only writes them, as everything else a 
   Figure 1 can be read in the MLflow UI.
 - `rollouts/step_XXXXXXXX.pt`: the rollout batch of step N when checkpoint N − 1 exists (or N = 1: the
   warm start), i.e. a batch together with the exact weights that generated it, for
-  `fp8rl-train explain` (loadable with torch.load(weights_only=True)).
+  `fp8rl-train explain` (loadable with torch.load(weights_only=True)); under fp8.kv_cache e4m3 with kv_scale
+  trainer or first_forward, with the per-layer KV scales that generated it (`explain` refits its replay with them).
 Under data parallelism the catalogue is global (all-reduced over the mesh); the table and the saved
 rollout hold rank 0's share of the batch (its whole GRPO groups).
 """
@@ -28,6 +29,7 @@ from fp8rl_core.config.schema import to_dict
 from fp8rl_core.diagnostics.catalogue import all_reduce_sums, reduce_with, step_diagnostics
 from fp8rl_core.distributed.mesh import Mesh
 from fp8rl_core.engines.base import TrainBatch
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.io.checkpoint import list_checkpoints
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.tokenizer import Tokenizer
@@ -135,11 +137,19 @@ def _last_step(path: Path) -> int:
 
 
 def save_rollout(path: Path, batch: Any, step: int, weights_step: int, run_config: dict,
-                 model_config: dict) -> Path:
-    """Write one rollout batch atomically (tensors + JSON strings: torch.load(weights_only=True) reads it)."""
+                 model_config: dict, kv_scales: KVScales | None = None) -> Path:
+    """Write one rollout batch atomically (tensors + JSON strings: torch.load(weights_only=True) reads it).
+    kv_scales: the per-layer KV scales it was generated with (engines.kv_quant.KVScales; fp8.kv_cache e4m3
+    with kv_scale trainer or first_forward), kept as kv_scales_k / _v / _step (/ _amax_k / _amax_v)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"step": step, "weights_step": weights_step, "run_config": json.dumps(run_config),
             "model_config": json.dumps(model_config)}
+    if kv_scales is not None:
+        data.update(kv_scales_k=kv_scales.k.detach().cpu(), kv_scales_v=kv_scales.v.detach().cpu(),
+                    kv_scales_step=int(kv_scales.step))
+        if kv_scales.amax_k is not None:
+            data.update(kv_scales_amax_k=kv_scales.amax_k.detach().cpu(),
+                        kv_scales_amax_v=kv_scales.amax_v.detach().cpu())
     for name in ("input_ids", "attention_mask", "response_mask", "gen_logprobs", "old_logprobs", "is_weights",
                  "advantages"):
         value = getattr(batch, name)
@@ -184,9 +194,10 @@ def rollout_path(out_dir: str | Path, step: int) -> Path:
 
 
 def after_step(cfg: RunConfig, tokenizer: Tokenizer, model_config: ModelConfig | None, batch: TrainBatch | None,
-               sink: MetricSink, step: int) -> None:
+               sink: MetricSink, step: int, kv_scales: KVScales | None = None) -> None:
     """The run loop's hook after logging step `step` (its batch: grpo_step's StepResult.batch): worst-token
-    table, saved rollout, artifact upload. model_config: the generating engine's (saved with the rollout)."""
+    table, saved rollout, artifact upload. model_config: the generating engine's (saved with the rollout);
+    kv_scales: the KV scales the batch was generated with (StepResult.kv_scales, saved with the rollout)."""
     spec = cfg.diagnostics
     if batch is None or _rank() != 0:
         return  # rank 0 alone writes the run's files (its own share of the batch, under data parallelism)
@@ -199,7 +210,7 @@ def after_step(cfg: RunConfig, tokenizer: Tokenizer, model_config: ModelConfig |
         append_rows(table, step, rows)
     if spec.save_rollouts and (step == 1 or find_checkpoint(out / "checkpoints", step - 1) is not None):
         save_rollout(rollout_path(out, step), batch, step, step - 1, to_dict(cfg),
-                     model_config.to_hf_dict() if model_config is not None else {})
+                     model_config.to_hf_dict() if model_config is not None else {}, kv_scales)
         prune_rollouts(out)
     if table.exists() and (step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps):
         sink.log_artifact(table, ARTIFACT_DIR)  # shipped as a copy: the MLflow table is as fresh as the checkpoint

@@ -21,7 +21,9 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
                                  beside the FP8 one (val_accuracy_bf16_eval, fp8_gen's matched-kernel
                                  replay); under vLLM see `validation` below
   then the largest of three phases:
-    generation  b_gen x (prompt + new) x L x 2 x kv_dim x 2 B       KV cache (BF16); b_gen: the native engine
+    generation  b_gen x (prompt + new) x L x 2 x kv_dim x 2 B       KV cache (BF16; fp8.kv_cache e4m3: 1 B an
+                                                                    element + FP32 scales, fp8/kv_bytes.py);
+                                                                    b_gen: the native engine
                                                                     decodes all rows_r = rows / W at once; vLLM
                                                                     pages it (paged_kv): at least one sequence
     logprobs    b_lp x T x V x 14 B + fsdp                          no-grad forward: BF16 logits, their FP32
@@ -71,7 +73,8 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
              bf16_activations b x prompt x (4 I + 8 h) + b x V x 8 B (a prefill of every row's prompt at once,
              and the sampled rows' FP32 logits)
     refit:   bf16_engine 2 N + refit_stream (as vLLM's refit below)
-  Native generation (not paged): val_kv_cache = the largest batch x (prompt + new) x kv bytes per token.
+  Native generation (not paged): val_kv_cache = the largest batch x (prompt + new) x kv bytes per token
+  (the arm's fp8.kv_cache for a BF16 recipe, the BF16 engine's cache in the dtype for an FP8 one).
   Time (validation_s, CUDA only): the busiest rank's sum over its batches; a batch decodes max_new_tokens
   steps (the worst case in length), each reading the weights and the KV caches it attends over at
   GPU_HBM_BYTES_PER_S (the native engine: its whole cache; vLLM: prompt + new / 2 tokens per sequence, at most
@@ -121,6 +124,7 @@ from pathlib import Path
 from typing import Any
 
 from fp8rl_core.config import RunConfig, recipe_of, val_batch_rows
+from fp8rl_core.fp8 import kv_bytes
 from fp8rl_core.fp8.formats import FORMATS
 from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
@@ -161,6 +165,9 @@ class Layout:
     bf16_engine: bool = False
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
+    # fp8.kv_cache / fp8.kv_scale of the native generation engine (fp8/kv_bytes.py; vLLM's stays auto)
+    kv_cache: str = "auto"
+    kv_scale: str = "trainer"
     paged_kv: bool = False  # vLLM: paged KV, as many sequences as memory allows (counted: generation_batch_size or 1)
     vllm: bool = False  # the vLLM engine (engines.generation=vllm): its weights + KV pool, below
     vllm_max_model_len: int = 0  # KV length per sequence (0: prompt_tokens + max_new_tokens)
@@ -323,9 +330,18 @@ def _fsdp_buffers(cfg: ModelConfig, p: ParamCounts, lay: Layout) -> dict[str, in
     return fsdp
 
 
+def _kv_bytes(cfg: ModelConfig, rows: int, tokens: int, kv_cache: str = "auto", kv_scale: str = "trainer") -> int:
+    """KV cache bytes of `rows` sequences of `tokens` slots, by the engines' formula (fp8/kv_bytes.py):
+    auto L x 2 (K and V) x kv_heads x head_dim x 2 B (BF16) per token; fp8.kv_cache e4m3 1 B per element
+    plus the FP32 scales (2 x L per cache; per_token_head 2 x L x kv_heads per token). A real engine's bytes:
+    the native engine's CPU emulation holds the dequantized values in FP32 (kv_quant.py), not counted."""
+    return kv_bytes.kv_cache_bytes(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, tokens, cfg.head_dim,
+                                   kv_cache=kv_cache, kv_scale=kv_scale, dtype_bytes=2)
+
+
 def _kv_bytes_per_token(cfg: ModelConfig) -> int:
-    """KV cache bytes per token: L x 2 (K and V) x kv_heads x head_dim x 2 B (BF16)."""
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    """KV cache bytes per token in the dtype: L x 2 (K and V) x kv_heads x head_dim x 2 B (BF16)."""
+    return _kv_bytes(cfg, 1, 1)
 
 
 @dataclass(frozen=True)
@@ -377,11 +393,13 @@ def _native_engine(cfg: ModelConfig, lay: Layout, p: ParamCounts, gen_weights: i
     b_gen x T x kv bytes per token (b_gen = generation_batch_size, else every row, else 1 when paged), and a
     validation phase of the largest validation batch's KV cache (not paged: a paged engine pages it too)."""
     resident = {"gen_weights": gen_weights, **({"bf16_engine": 2 * p.total} if lay.bf16_engine else {})}
-    rows, kv_token = lay.rows_per_rank, _kv_bytes_per_token(cfg)
+    rows, kv = lay.rows_per_rank, (lay.kv_cache, lay.kv_scale)
     gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
-    phases = {"generation": {"kv_cache": gen_rows * lay.tokens * kv_token}}
+    phases = {"generation": {"kv_cache": _kv_bytes(cfg, gen_rows, lay.tokens, *kv)}}
     if lay.val_prompts and not lay.paged_kv:  # the native engines decode one validation batch at once
-        phases["validation"] = {"val_kv_cache": max(sum(val_batches(lay), []), default=0) * lay.tokens * kv_token}
+        val_kv = ("auto", "trainer") if lay.bf16_engine else kv  # the BF16 engine's cache is in the dtype
+        largest = max(sum(val_batches(lay), []), default=0)
+        phases["validation"] = {"val_kv_cache": _kv_bytes(cfg, largest, lay.tokens, *val_kv)}
     return _Engine(phases, resident)
 
 
@@ -592,6 +610,7 @@ def layout_for_run(cfg: RunConfig, world_size: int, prompt_tokens: int | None = 
                   bf16_engine=recipe.fp8_generation or cfg.engines.generation == "vllm",
                   fp8_format=(recipe.generation or recipe.training).format if recipe.fp8_generation else "block128",
                   device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
+                  kv_cache=recipe.kv_cache, kv_scale=recipe.kv_scale,
                   paged_kv=cfg.engines.generation == "vllm", val_prompts=cfg.task.val_size,
                   val_samples=cfg.train.val_samples, val_batch=val_batch_rows(cfg))
 

@@ -18,8 +18,9 @@ A scale of 0 (an all-zero tensor) becomes 1.0, as for the linears (no NaN, ever)
 
 Memory: a real FP8 cache holds 1 byte per element plus the FP32 scales: 2 * L * B * Hkv * S * D bytes
 plus 2 * L * 4 (per-layer scales) or 2 * L * B * Hkv * S * 4 (per_token_head). The CPU emulation stores
-the dequantized values fl32(code * s) in FP32 instead (`kv_cache_bytes` says what a real engine needs):
-numerically the same as reading the codes and scales back, since the attention computes in FP32 on them.
+the dequantized values fl32(code * s) in FP32 instead (`kv_cache_bytes`, fp8/kv_bytes.py, says what a real
+engine needs, and the memory plan counts that): numerically the same as reading the codes and scales back,
+since the attention computes in FP32 on them.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8rl_core.fp8.kernels import E4M3_MAX, FP8_DTYPE
+from fp8rl_core.fp8.kv_bytes import kv_cache_bytes  # noqa: F401  the one formula (re-exported: kv_quant.kv_cache_bytes)
 
 K_SCALE_CONSTANT = 200.0  # vLLM's envs.K_SCALE_CONSTANT: first_forward's K range
 V_SCALE_CONSTANT = 100.0  # vLLM's envs.V_SCALE_CONSTANT: first_forward's V range
@@ -117,13 +119,6 @@ def check_not_default(scales: KVScales) -> None:
             raise RuntimeError(f"KV cache: the {name} scale of layer {bad[0]} is exactly 1.0 while its amax is "
                                f"{float(a[bad[0]]):.4g} (amax/448 outside [1/64, 64]): a default scale, not a "
                                "calibrated one (NeMo RL PR #3226)")
-
-
-def kv_cache_bytes(layers: int, batch: int, kv_heads: int, slots: int, head_dim: int, per_token_head: bool) -> int:
-    """Bytes of a real E4M3 KV cache: 1 per element of K and V, plus the FP32 scales."""
-    elements = 2 * layers * batch * kv_heads * slots * head_dim
-    scales = 2 * layers * (batch * kv_heads * slots if per_token_head else 1)
-    return elements + 4 * scales
 
 
 class KVQuantizer:

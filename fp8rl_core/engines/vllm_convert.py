@@ -42,11 +42,11 @@ from typing import Any
 import torch
 
 from fp8rl_core.config import VllmSpec
-from fp8rl_core.config.recipe import Recipe
+from fp8rl_core.config.recipe import Recipe, vllm_kv_cache_error
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
 from fp8rl_core.engines.native_gen import check_state_dict, expected_shapes
 from fp8rl_core.engines.vllm_placement import placement_kwargs
-from fp8rl_core.fp8 import quantize_blockwise
+from fp8rl_core.fp8 import kv_bytes, quantize_blockwise
 from fp8rl_core.model.config import ModelConfig
 from fp8rl_core.model.hf_io import FP8_BLOCK, FP8_BLOCK_CONFIG, save_pretrained
 from fp8rl_core.model.llama import CausalLM
@@ -140,13 +140,14 @@ def fp8_activations(kernels: Sequence[str]) -> str:
 def kv_cache_bytes(config: ModelConfig, max_model_len: int, num_seqs: int, dtype_bytes: int,
                    block: int = CPU_BLOCK_TOKENS) -> int:
     """The KV cache a run needs, in bytes: num_seqs sequences of max_model_len tokens (each rounded up to whole
-    blocks of `block` tokens), K and V per layer: 2 * L * kv_heads * head_dim * dtype_bytes per token.
+    blocks of `block` tokens), K and V per layer: 2 * L * kv_heads * head_dim * dtype_bytes per token — the
+    fp8/kv_bytes.py formula under kv_cache auto, the only KV dtype we start vLLM with (llm_kwargs).
 
     Sized from the run (its rollout rows and longest sequence), never as a share of the host's memory: on a
     CPU, vLLM's gpu_memory_utilization is a fraction of the node's RAM for the whole worker."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * int(config.head_dim) * dtype_bytes
     tokens = -(-max_model_len // block) * block
-    return int(num_seqs * tokens * per_token)
+    return kv_bytes.kv_cache_bytes(config.num_hidden_layers, num_seqs, config.num_key_value_heads, tokens,
+                                   int(config.head_dim), kv_cache="auto", dtype_bytes=dtype_bytes)
 
 
 # ---- engine construction -----------------------------------------------------------------------
@@ -225,8 +226,13 @@ def llm_kwargs(model_path: str | Path, config: ModelConfig, *, recipe: Recipe, d
     "cuda" passes gpu_memory_utilization always (vLLM checks it at start even with KV bytes), "cpu" never
     (there it is a share of the node's RAM) and needs kv_cache_bytes.
     Tokenizer init is skipped: prompts arrive as token ids and the EOS ids are stop token ids.
+    The KV cache stays in the compute dtype (no kv_cache_dtype: vLLM's "auto"); a recipe with fp8.kv_cache e4m3
+    raises with its design's reason (config.recipe.VLLM_KV_CACHE_REFUSALS): vLLM would run it at 1.0 scales.
     world_size: the cell's ranks; above 1, vllm_placement.placement_kwargs (one engine per rank).
     """
+    kv_error = vllm_kv_cache_error(recipe)  # never an FP8 kv_cache_dtype at vLLM's default 1.0 scales, unannounced
+    if kv_error:
+        raise ValueError(kv_error)
     if recipe.fp8_generation and dtype not in HALF_DTYPES:
         raise ValueError(f"model.dtype: vLLM's FP8 method runs {' / '.join(HALF_DTYPES)} activations only, got "
                          f"{dtype!r}; valid: bf16, or engines.generation=native")

@@ -101,7 +101,7 @@ from typing import Any
 import torch
 
 from fp8rl_core.config import VllmSpec
-from fp8rl_core.config.recipe import Recipe
+from fp8rl_core.config.recipe import Recipe, vllm_kv_cache_error
 from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines import vllm_placement as placement
@@ -176,6 +176,8 @@ class VllmGenerationEngine:
         self.sleep_mode = self._check_platform(recipe, vllm)
         self.config = model_config  # every EOS id already merged (hf_io.read_model_config)
         self.recipe, self.fp8, self.dtype = recipe, recipe.fp8_generation, dtype
+        if vllm_kv_cache_error(recipe):  # before anything starts (llm_kwargs refuses it again)
+            raise ValueError(vllm_kv_cache_error(recipe))
         if self.fp8 and self.dtype != torch.bfloat16:
             raise ValueError(f"model.dtype: recipe {recipe.name!r} generates in FP8 with vLLM, whose FP8 method "
                              "runs BF16/FP16 activations only; valid: bf16, or engines.generation=native")

@@ -30,6 +30,7 @@ import torch
 from fp8rl_core.config import RunConfig, recipe_of, resolve_recipe, run_config_from_dict
 from fp8rl_core.diagnostics.catalogue import step_diagnostics
 from fp8rl_core.diagnostics.tokens import ROLLOUTS_DIR, find_checkpoint, worst_tokens
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.engines.native_gen import NativeGenerationEngine
 from fp8rl_core.explain.attribution import GenKernels, TrainKernels, VariantResult, compare
 from fp8rl_core.io import checkpoint as ckpt
@@ -94,17 +95,29 @@ def replayable_steps(run_dir: Path) -> list[int]:
 
 
 # --- the variants -------------------------------------------------------------------------------------
-def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: RunConfig, model_config: ModelConfig):
-    """(name, side A, side B) for each requested variant."""
+def rollout_kv_scales(r: dict[str, Any]) -> KVScales | None:
+    """The per-layer KV scales a saved rollout was generated with (diagnostics.save_rollout), None when it
+    holds none (the cache in the dtype, per_token_head, or a rollout saved before they were kept)."""
+    if r.get("kv_scales_k") is None:
+        return None
+    return KVScales(r["kv_scales_k"], r["kv_scales_v"], int(r["kv_scales_step"]), r.get("kv_scales_amax_k"),
+                    r.get("kv_scales_amax_v"))
+
+
+def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: RunConfig, model_config: ModelConfig,
+                   kv_scales: KVScales | None = None):
+    """(name, side A, side B) for each requested variant. kv_scales: the rollout's KV scales
+    (rollout_kv_scales); the FP8 generation side is refit with them, so that its cache holds what the
+    rollout's did."""
 
     model = CausalLM(model_config)
     model.load_state_dict(weights, strict=False)
     model.tie_weights()
     temp, recipe = cfg.rollout.temperature, recipe_of(cfg)
     both = resolve_recipe("fp8_e2e", cfg.fp8)  # the run's FP8 knobs on both sides: what the variants quantize
-    if both.kv_cache == "e4m3" and both.kv_scale == "trainer":
-        # the trainer's KV scales are not saved with a rollout: the replay's cache stays in the dtype (the engine
-        # would refuse to run without the scales of these weights; engines/kv_quant.py)
+    if both.kv_cache == "e4m3" and both.kv_scale == "trainer" and kv_scales is None:
+        # a rollout saved before the KV scales were kept with it: the replay's cache stays in the dtype (the
+        # engine would refuse to run without the scales of these weights; engines/kv_quant.py)
         both = dataclasses.replace(both, kv_cache="auto")
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     excl, p2 = both.fp8_exclusions(model_config.num_hidden_layers), both.training.power_of_two_scales
@@ -118,7 +131,10 @@ def build_variants(names: list[str], weights: dict[str, torch.Tensor], cfg: RunC
     def gen(fp8: bool) -> GenKernels:
         engine = NativeGenerationEngine(model_config, recipe=both if fp8 else both.in_bf16(), dtype=dtype,
                                         device="cpu", seed=0)
-        engine.refit(weights)
+        if kv_scales is not None and fp8 and both.kv_cache == "e4m3":  # the rollout's (trainer, first_forward)
+            engine.refit(weights, step=kv_scales.step, kv_scales=kv_scales)
+        else:
+            engine.refit(weights)
         return GenKernels(engine, f"gen {'FP8' if fp8 else 'BF16'}", temperature=temp)
 
     make = {
@@ -166,7 +182,7 @@ def explain(run_dir: Path, step: int | None = None, variants: list[str] | None =
                              step_diagnostics(r["old_logprobs"][:n], r["gen_logprobs"][:n], rm,
                                               None if r.get("is_weights") is None else r["is_weights"][:n],
                                               advantages=adv))]
-    for name, a, b in build_variants(variants or list(VARIANTS), weights, cfg, model_config):
+    for name, a, b in build_variants(variants or list(VARIANTS), weights, cfg, model_config, rollout_kv_scales(r)):
         results.append(compare(a, b, ids, am, rm, name=name, description=f"{VARIANTS[name]} [{a.name} vs {b.name}]",
                                advantages=adv))
     return step, results

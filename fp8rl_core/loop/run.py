@@ -37,7 +37,7 @@ from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.evaluate import validation_metrics
 from fp8rl_core.loop.hold import hold_after
 from fp8rl_core.loop.preempt import TimeLimit
-from fp8rl_core.loop.step import grpo_step, sampling_params
+from fp8rl_core.loop.step import grpo_step, held_kv_scales, sampling_params
 from fp8rl_core.tracking import M_MISMATCH, M_REWARD, M_VAL_ACC, M_VAL_ACC_BF16_EVAL, TAG_BF16_COMPUTE, TAG_WORLD_SIZE
 from fp8rl_core.tracking.lifecycle import PAUSED, run_status
 from fp8rl_core.tracking.sink import NullSink, make_run_sink, run_params
@@ -55,19 +55,11 @@ def _capture(ctx: RunContext, step: int) -> dict[str, Any]:
     state = {"step": step, "data_rng": ctx.data_rng.getstate(), "shuffle": ctx.shuffle.get_state(),
              "gen_rng": ctx.gen.generator.get_state(), "torch_rng": torch.get_rng_state(),
              "bf16_compute": ctx.numerics.get(TAG_BF16_COMPUTE, "")}
-    scales = _held_kv_scales(ctx)
+    scales = held_kv_scales(ctx)
     if scales is not None:  # computed on a batch (the step's, the first prefill's) a resume no longer has
         state["kv_scales"] = {"k": scales.k, "v": scales.v, "step": scales.step, "amax_k": scales.amax_k,
                               "amax_v": scales.amax_v}
     return state
-
-
-def _held_kv_scales(ctx: RunContext) -> KVScales | None:
-    """The per-layer KV scales the generation engine holds for its weights (fp8.kv_cache e4m3 with kv_scale
-    trainer or first_forward: the native engine only, config-checked), else None."""
-    if ctx.recipe.kv_cache != "e4m3" or ctx.recipe.kv_scale == "per_token_head":
-        return None
-    return ctx.gen.held_kv_scales()
 
 
 def _restore(ctx: RunContext, rank_state: dict[str, Any], own: bool = True) -> int:
@@ -238,7 +230,7 @@ def _run_steps(ctx: RunContext, out_dir: Path, ckpt_dir: Path, progress: bool, s
             sink.log(step, last)
             if rank0:
                 # worst-token table, rollout for `explain` (fp8rl_core/diagnostics), from this step's batch
-                after_step(cfg, ctx.tokenizer, ctx.gen.config, result.batch, sink, step)
+                after_step(cfg, ctx.tokenizer, ctx.gen.config, result.batch, sink, step, result.kv_scales)
             bar.update(1)
             bar.set_postfix(reward=f"{last[M_REWARD]:.2f}", mismatch=f"{last[M_MISMATCH]:.4f}",
                             val=f"{last.get(M_VAL_ACC, float('nan')):.2f}", refresh=False)

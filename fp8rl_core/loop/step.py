@@ -42,6 +42,7 @@ from fp8rl_core.config import RunConfig
 from fp8rl_core.diagnostics.tokens import observe_step
 from fp8rl_core.distributed.mesh import Mesh
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams, TrainBatch
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.fp8.gemm import executor_flags
 from fp8rl_core.loop.context import RunContext
 from fp8rl_core.loop.rollout import broadcast_advantages, build_train_batch, place_response_values, split_rows
@@ -64,6 +65,9 @@ class StepResult:
 
     metrics: dict[str, float]
     batch: TrainBatch
+    # the per-layer KV scales the rollout was generated with (fp8.kv_cache e4m3, kv_scale trainer or
+    # first_forward; else None), saved with the rollout so that `explain` refits its replay with them
+    kv_scales: KVScales | None = None
 
 
 def sampling_params(cfg: RunConfig) -> SamplingParams:
@@ -190,6 +194,14 @@ def kv_scale_metrics(ctx: RunContext) -> dict[str, float]:
     return {M_KV_SCALE_STEP: step, M_KV_SCALE_CHECKSUM: total}
 
 
+def held_kv_scales(ctx: RunContext) -> KVScales | None:
+    """The per-layer KV scales the generation engine holds for its weights (fp8.kv_cache e4m3 with kv_scale
+    trainer or first_forward: the native engine only, config-checked), else None."""
+    if ctx.recipe.kv_cache != "e4m3" or ctx.recipe.kv_scale == "per_token_head":
+        return None
+    return ctx.gen.held_kv_scales()
+
+
 def grpo_step(ctx: RunContext) -> StepResult:
     """Run one step; returns its metrics (names per the MLflow contract in docs/design.md, global over ranks)
     and this rank's batch (StepResult)."""
@@ -197,6 +209,7 @@ def grpo_step(ctx: RunContext) -> StepResult:
     loss_cfg = ctx.cfg.loss
     prompts, out, rewards, gen_s = _rollout(ctx)
     kv_metrics = kv_scale_metrics(ctx)  # the scales this rollout used, before the refit replaces them
+    kv_scales = held_kv_scales(ctx)
     batch = build_train_batch(prompts, out, ctx.tokenizer.pad_id)
     adv = grpo.group_advantages(rewards).reshape(-1)
     batch.advantages = broadcast_advantages(adv, batch.response_mask)
@@ -233,4 +246,4 @@ def grpo_step(ctx: RunContext) -> StepResult:
     }
     metrics[M_STEP_TIME] = time.perf_counter() - t_start
     metrics[M_TOKENS_PER_S] = n_resp / metrics[M_STEP_TIME]  # response tokens generated + trained per second
-    return StepResult(metrics, batch)
+    return StepResult(metrics, batch, kv_scales)

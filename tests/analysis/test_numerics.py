@@ -119,6 +119,21 @@ def test_arm_labels_normalize_the_knobs():
             "fp8.format=mxfp8"
 
 
+def test_kv_cache_and_correction_knobs_label_their_arms():
+    """The FP8 KV cache's knobs and the mismatch correction are knobs too (sweeps/fp8_kv_cache.yaml,
+    sweeps/fp8_corrections.yaml): an arm differing in them is labelled and compared, at their defaults it is not."""
+    kv = {"fp8.kv_cache": "e4m3", "fp8.kv_scale": "first_forward"}
+    assert arm_label(kv) == "fp8.kv_cache=e4m3 + fp8.kv_scale=first_forward"
+    assert arm_label({"fp8.kv_cache": "e4m3"}) == "fp8.kv_cache=e4m3"  # trainer scales, from BF16: the defaults
+    assert arm_label({"fp8.kv_cache": "e4m3", "fp8.kv_scale": "per_token_head", "fp8.kv_quantize_from": "bf16"}) \
+        == "fp8.kv_cache=e4m3 + fp8.kv_scale=per_token_head"
+    assert arm_label({"fp8.kv_cache": "auto", "fp8.kv_scale": "trainer", "fp8.kv_quantize_from": "bf16",
+                      "loss.importance_sampling": "none"}) == DEFAULT_ARM
+    assert arm_label({"loss.importance_sampling": "icepop"}) == "loss.importance_sampling=icepop"
+    assert list(knob_values({}))[-4:] == ["fp8.kv_cache", "fp8.kv_scale", "fp8.kv_quantize_from",
+                                          "loss.importance_sampling"]
+
+
 def test_effects_intervals_and_verdicts_match_scipy():
     result = analyze(numerics_runs())
     arms = {a.label: a for a in result.arms}

@@ -24,9 +24,21 @@ def test_unknown_values_list_the_valid_ones():
         load_run_config(None, ["fp8.kv_cache=e4m3", "fp8.kv_scale=dynamic"])
 
 
+@pytest.mark.parametrize("kv_scale,why", [
+    ("trainer", r"vLLM cannot take new per-layer KV scales at a refit without a patch: "
+                r"BaseKVCacheMethod\.process_weights_after_loading .*deletes the k_scale / v_scale parameters"),
+    ("first_forward", r".*\(calculate_kv_scales is gone\)"),
+    ("per_token_head", r".*no per-token-head KV dtype .*one scale per layer")])
+def test_vllm_refuses_each_kv_design_with_its_reason(kv_scale, why):
+    """vLLM never runs an FP8 cache at its default 1.0 scales: the config names key, engine, reason, valid."""
+    with pytest.raises(ConfigError, match=rf"fp8\.kv_cache: 'e4m3' with fp8\.kv_scale '{kv_scale}' runs in the "
+                                          rf"native generation engine only; engines\.generation 'vllm' cannot: {why}.*"
+                                          r"; valid: fp8\.kv_cache auto with engines\.generation vllm, or "
+                                          r"engines\.generation native"):
+        load_run_config(None, ["fp8.kv_cache=e4m3", f"fp8.kv_scale={kv_scale}", "engines.generation=vllm"])
+
+
 def test_off_the_native_engines_is_refused():
-    with pytest.raises(ConfigError, match=r"fp8\.kv_cache: 'e4m3' runs in the native generation engine only"):
-        load_run_config(None, ["fp8.kv_cache=e4m3", "engines.generation=vllm"])
     with pytest.raises(ConfigError, match=r"fp8\.kv_scale: 'trainer' scales come from the native trainer"):
         load_run_config(None, ["fp8.kv_cache=e4m3", "engines.training=megatron"])
     load_run_config(None, ["fp8.kv_cache=e4m3", "fp8.kv_scale=first_forward", "engines.training=megatron"])

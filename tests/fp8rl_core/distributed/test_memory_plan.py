@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 
 import pytest
 
+from fp8rl_core.config import load_run_config
 from fp8rl_core.distributed.memory_plan import (
     GiB,
     Layout,
@@ -22,6 +23,7 @@ from fp8rl_core.distributed.memory_plan import (
     layout_for_run,
     plan_for_run,
     plan_memory,
+    val_batches,
 )
 from fp8rl_core.model.config import ModelConfig
 
@@ -292,6 +294,28 @@ def test_the_generation_copy_counts_each_formats_bytes(fmt, bits, scale_bytes):
     assert lin == p.block_linear
     expected = sum(n * k * bits // 8 + scale_bytes(n, k) for n, k in shapes) + 2 * (p.total - lin)
     assert plan.device["gen_weights"] == expected
+
+
+@pytest.mark.parametrize("kv_scale", ["trainer", "first_forward", "per_token_head"])
+def test_an_e4m3_kv_cache_counts_one_byte_an_element_plus_its_scales(kv_scale):
+    """fp8.kv_cache e4m3: K and V of every layer at 1 B an element + FP32 scales (per layer: 2 L; per_token_head:
+    2 L x kv_heads per token), the engines' formula (fp8/kv_bytes.py); the BF16 engine's validation cache stays
+    in the dtype. b_gen 3, T 16."""
+    cfg = ModelConfig()
+    L, H, D = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    lay = Layout(world_size=2, rows_per_step=16, prompt_tokens=10, max_new_tokens=6, generation_batch_size=3,
+                 val_prompts=4, val_samples=1, val_batch=4, kv_cache="e4m3", kv_scale=kv_scale)
+    scales = 2 * L * (3 * H * 16 if kv_scale == "per_token_head" else 1) * 4
+    assert plan_memory(cfg, lay).phases["generation"] == {"kv_cache": 3 * 16 * 2 * L * H * D + scales}
+    auto = plan_memory(cfg, replace(lay, kv_cache="auto", kv_scale="trainer"))
+    assert auto.phases["generation"] == {"kv_cache": 3 * 16 * 2 * L * H * D * 2}
+    b = max(sum(val_batches(lay), []))  # the largest validation batch
+    val = b * 16 * 2 * L * H * D
+    assert plan_memory(cfg, lay).phases["validation"]["val_kv_cache"] == \
+        val + 2 * L * (b * H * 16 if kv_scale == "per_token_head" else 1) * 4
+    assert plan_memory(cfg, replace(lay, bf16_engine=True)).phases["validation"]["val_kv_cache"] == val * 2
+    run = load_run_config(None, ["fp8.kv_cache=e4m3", f"fp8.kv_scale={kv_scale}"])
+    assert (layout_for_run(run, 1).kv_cache, layout_for_run(run, 1).kv_scale) == ("e4m3", kv_scale)
 
 
 def test_each_steps_formula_in_bytes():

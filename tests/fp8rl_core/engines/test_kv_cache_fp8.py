@@ -270,7 +270,7 @@ def test_engine_designs_without_trainer_scales_generate_and_report_their_step(kv
     assert step == 7.0 and 0 <= total < 2**24 and out.logprobs.isfinite().all()
     again = gen.generate(PROMPTS, SAMPLING)
     assert torch.equal(again.logprobs, out.logprobs)  # the same scales (first_forward: kept) and sampling seed
-    assert kv_quant.kv_cache_bytes(2, 3, 2, 10, 32, kv_scale == "per_token_head") == \
+    assert kv_quant.kv_cache_bytes(2, 3, 2, 10, 32, kv_scale=kv_scale) == \
         2 * 2 * 3 * 2 * 10 * 32 + 4 * (2 * 2 * (3 * 2 * 10 if kv_scale == "per_token_head" else 1))
 
 

@@ -221,6 +221,71 @@ def test_llm_kwargs_refuse_fp8_with_fp32(tmp_path):
         == (2**30, 64, 2, False)
 
 
+@pytest.mark.parametrize("kv_scale", ["trainer", "first_forward", "per_token_head"])
+def test_engine_args_never_carry_an_fp8_kv_cache(tmp_path, kv_scale):
+    """vLLM never runs with its default 1.0 KV scales unannounced: llm_kwargs emits no kv_cache_dtype (vLLM's
+    auto, the compute dtype) and raises, with the design's reason, for a recipe whose fp8.kv_cache is e4m3."""
+    from fp8rl_core.config import VllmSpec
+    from fp8rl_core.config.recipe import VLLM_KV_CACHE_REFUSALS
+
+    args = dict(dtype="bfloat16", seed=0, vllm=VllmSpec(), max_model_len=40, kv_cache_bytes=2**24)
+    for recipe in (BF16, FP8):
+        assert "kv_cache_dtype" not in conv.llm_kwargs(tmp_path, ODD, recipe=recipe, **args)
+        e4m3 = dataclasses.replace(recipe, kv_cache="e4m3", kv_scale=kv_scale)
+        with pytest.raises(ValueError) as err:
+            conv.llm_kwargs(tmp_path, ODD, recipe=e4m3, **args)
+        assert f"fp8.kv_cache: 'e4m3' with fp8.kv_scale '{kv_scale}' cannot run in engines.generation 'vllm'" \
+            in str(err.value) and VLLM_KV_CACHE_REFUSALS[kv_scale] in str(err.value)
+
+
+def test_the_engine_refuses_an_e4m3_kv_cache_before_vllm_starts(fake_vllm, tmp_path):
+    from fp8rl_core.config import RunConfig
+    cfg = RunConfig(output_dir=str(tmp_path))
+    cfg.fp8.kv_cache = "e4m3"  # built past validation (which refuses it), as a programmatic caller could
+    with pytest.raises(ValueError, match="vLLM cannot take new per-layer KV scales at a refit without a patch"):
+        vllm_engine(cfg, ODD)
+
+
+def test_vllm_kv_bytes_are_the_shared_formula_in_the_compute_dtype():
+    from fp8rl_core.fp8.kv_bytes import kv_cache_bytes
+    for dtype_bytes in (2, 4):
+        assert conv.kv_cache_bytes(ODD, 40, 8, dtype_bytes=dtype_bytes) == kv_cache_bytes(
+            ODD.num_hidden_layers, 8, ODD.num_key_value_heads, 128, ODD.head_dim, kv_cache="auto",
+            dtype_bytes=dtype_bytes)
+
+
+def _vllm_source(rel: str) -> str:
+    spec = importlib.util.find_spec("vllm")  # located, never imported (its import takes seconds)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vllm is not installed")
+    from pathlib import Path
+    return (Path(list(spec.submodule_search_locations)[0]) / rel).read_text()
+
+
+def test_the_kv_refusals_hold_in_the_installed_vllm():
+    """The facts VLLM_KV_CACHE_REFUSALS states, checked in the installed vLLM's source: an upgrade that makes
+    one false fails here, and the refusal is revisited (docs/design.md "FP8 KV cache")."""
+    kv = _vllm_source("model_executor/layers/quantization/kv_cache.py")
+    after = kv[kv.index("def process_weights_after_loading"):]
+    assert "del layer.k_scale" in after and "del layer.v_scale" in after  # scale parameters gone after load
+    assert 'if not hasattr(layer, "q_scale")' in after  # a reload skips the scales
+    cpu = _vllm_source("v1/attention/backends/cpu_attn.py")
+    assert "layer._k_scale_float" in cpu and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." in cpu
+    dtypes = cpu[cpu.index("supported_kv_cache_dtypes"):].split("= [")[1].split("]")[0]
+    assert "per_token_head" not in dtypes and "fp8_e4m3" in dtypes
+    layer = _vllm_source("model_executor/layers/attention/attention.py")
+    assert "calculate_kv_scales" not in layer and "calc_kv_scales" not in layer
+
+
+def test_vllm_fp8_kv_cache_needs_avx512_or_amx_on_a_cpu():
+    """On a CPU, vLLM's FP8 KV cache runs only with AVX-512 or AMX (cpu_attn._get_attn_isa); we never start it
+    (the refusals above), and this machine's flags say whether it could."""
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        pytest.skip("vLLM's CPU FP8 KV cache needs the avx512f (AVX-512) or amx_tile (AMX) CPU flag; this CPU has "
+                    "neither")
+    assert "fp8_e4m3" in _vllm_source("v1/attention/backends/cpu_attn.py")
+
+
 def test_kv_cache_bytes_from_the_runs_needs():
     # per token: K and V x 2 layers x 1 KV head x head_dim 64 x 2 bytes = 512 B; 40 tokens -> one 128-token block
     assert conv.kv_cache_bytes(ODD, 40, 8, dtype_bytes=2) == 8 * 128 * 2 * 2 * 1 * 64 * 2

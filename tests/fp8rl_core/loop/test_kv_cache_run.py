@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fp8rl_core.config import load_run_config
+from fp8rl_core.engines.kv_quant import checksum
+from fp8rl_core.explain.replay import rollout_kv_scales
 from fp8rl_core.loop.builder import build_context
 from fp8rl_core.loop.run import run
 from fp8rl_core.loop.step import sampling_params
@@ -44,6 +47,12 @@ def test_two_steps_log_the_step_whose_weights_generated(tmp_path, kv_scale):
         assert m[step][M_MISMATCH] >= 1.0
     if kv_scale != "per_token_head":  # new weights, new scales
         assert m[1][M_KV_SCALE_CHECKSUM] != m[2][M_KV_SCALE_CHECKSUM]
+    # the saved rollout keeps the per-layer scales it was generated with (explain refits its replay with them)
+    saved = rollout_kv_scales(torch.load(tmp_path / kv_scale / "rollouts" / "step_00000001.pt", weights_only=True))
+    if kv_scale == "per_token_head":
+        assert saved is None
+    else:
+        assert saved.step == 0 and checksum(saved.k, saved.v) == m[1][M_KV_SCALE_CHECKSUM]
 
 
 @pytest.mark.slow
