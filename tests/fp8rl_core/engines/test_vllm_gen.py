@@ -269,6 +269,8 @@ def test_the_kv_refusals_hold_in_the_installed_vllm():
     after = kv[kv.index("def process_weights_after_loading"):]
     assert "del layer.k_scale" in after and "del layer.v_scale" in after  # scale parameters gone after load
     assert 'if not hasattr(layer, "q_scale")' in after  # a reload skips the scales
+    remap = _vllm_source("model_executor/model_loader/weight_utils.py")
+    assert "kv_scale is not loaded" in remap  # a refit's scale names, gone from params_dict, are dropped
     cpu = _vllm_source("v1/attention/backends/cpu_attn.py")
     assert "layer._k_scale_float" in cpu and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." in cpu
     dtypes = cpu[cpu.index("supported_kv_cache_dtypes"):].split("= [")[1].split("]")[0]
