@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.model.config import ModelConfig
 
 
@@ -53,8 +54,11 @@ class GenerationEngine(Protocol):
     def start(self, model_dir: str | Path) -> None:
         """Start on the HF checkpoint folder `model_dir` before any refit (vLLM: its server and sleep mode)."""
 
-    def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load trainer weights (HF state_dict names); FP8 recipes quantize linears [128,128] here, once."""
+    def refit(self, weights: Mapping[str, torch.Tensor], *, step: int | None = None,
+              kv_scales: KVScales | None = None) -> None:
+        """Load trainer weights (HF state_dict names); FP8 recipes quantize linears [128,128] here, once.
+        step, kv_scales: an E4M3 KV cache's (fp8.kv_cache e4m3) weights step and per-layer scales
+        (engines/kv_quant.py); an engine without that cache refuses kv_scales."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> GenerationOutput:
         """Sample continuations of token-id prompts (any lengths) with a KV cache."""
@@ -71,6 +75,12 @@ class GenerationEngine(Protocol):
 
     def tags(self) -> dict[str, str]:
         """What runs the engine (version, device, FP8 kernels), as MLflow tags; {} when nothing to say."""
+
+    def kv_scales_in_use(self) -> tuple[float, float] | None:
+        """(step, checksum) of the E4M3 KV scales the last generate call used; None without that cache."""
+
+    def held_kv_scales(self) -> KVScales | None:
+        """The per-layer KV scales held for the current weights (a checkpoint keeps them); None if none."""
 
 
 def awake(engine: GenerationEngine) -> contextlib.AbstractContextManager:

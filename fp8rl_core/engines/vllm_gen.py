@@ -106,6 +106,7 @@ from fp8rl_core.distributed.mesh import SINGLE, Mesh
 from fp8rl_core.engines import vllm_convert as conv
 from fp8rl_core.engines import vllm_placement as placement
 from fp8rl_core.engines.base import GenerationOutput, SamplingParams
+from fp8rl_core.engines.kv_quant import KVScales
 from fp8rl_core.engines.sampling import validate_sampling
 from fp8rl_core.model.config import ModelConfig
 
@@ -243,9 +244,14 @@ class VllmGenerationEngine:
         self.mesh.barrier()  # the folder is complete before any rank's vLLM reads it
         return self.checkpoint_dir
 
-    def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def refit(self, weights: Mapping[str, torch.Tensor], *, step: int | None = None,
+              kv_scales: KVScales | None = None) -> None:
         """First call without `start` (world size 1 only): checkpoint + start vLLM on it. Later calls (and
-        the first one after `start`): wake the weights if asleep, reload into the running engine."""
+        the first one after `start`): wake the weights if asleep, reload into the running engine. Its KV cache
+        stays in the compute dtype (config/recipe.py VLLM_KV_CACHE_REFUSALS): KV scales are refused."""
+        if kv_scales is not None:
+            raise ValueError("VllmGenerationEngine.refit: no E4M3 KV cache here (vLLM 0.32.0 drops refit KV "
+                             "scales; config/recipe.py VLLM_KV_CACHE_REFUSALS), so no kv_scales")
         if self.llm is None:
             if self.mesh.distributed:
                 raise RuntimeError("VllmGenerationEngine.refit: at world size > 1 call start(model_dir) first (the "
@@ -427,6 +433,13 @@ class VllmGenerationEngine:
         if not self.held:
             self.sleep(level=2)  # the trainer runs next, then the refit overwrites the weights
         return out
+
+    def kv_scales_in_use(self) -> None:
+        """None: vLLM's KV cache stays in the compute dtype here (no E4M3 cache, no scales)."""
+        return None
+
+    def held_kv_scales(self) -> None:
+        return None
 
     def score(self, prompts: list[list[int]], output: GenerationOutput, temperature: float) -> torch.Tensor:
         """Not supported: vLLM's computation cannot be replayed here (engines.kernels matched needs native
