@@ -4,12 +4,10 @@ the compute dtype logs no KV metrics, and a refit that updates the weights but n
 generation raise."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from _tiny_runs import step_metrics, tiny_config  # beside this file (tests/fp8rl_core/loop)
 
-from fp8rl_core.config import load_run_config
 from fp8rl_core.engines.kv_quant import checksum
 from fp8rl_core.explain.replay import rollout_kv_scales
 from fp8rl_core.loop.builder import build_context
@@ -19,20 +17,11 @@ from fp8rl_core.tracking import M_KV_SCALE_CHECKSUM, M_KV_SCALE_STEP, M_MISMATCH
 
 
 def _tiny(tmp_path, name, *extra):
-    return load_run_config(None, [
-        f"output_dir={tmp_path / name}", f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=10",
-        "warmstart.batch_size=16", "train.steps=2", "train.val_every=2", "train.checkpoint_every=2",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3", "rollout.max_new_tokens=5",
-        "task.val_size=6", "threads=1", *extra])
+    return tiny_config(tmp_path, name, *extra, steps=2)
 
 
 def _metrics(path):
-    out = {}
-    for line in (path / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "metrics":
-            out.setdefault(rec["step"], {}).update(rec["values"])
-    return out
+    return step_metrics(path)
 
 
 @pytest.mark.slow
@@ -78,10 +67,6 @@ def test_a_stale_refit_makes_generation_raise(tmp_path):
     assert ctx.gen.kv_scales_in_use()[0] == 1.0
 
 
-def _is_timing(key: str) -> bool:
-    return key.endswith("time_s") or key.endswith("per_s")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_scale", ["trainer", "first_forward"])
 def test_a_resume_is_bit_identical_with_an_e4m3_kv_cache(tmp_path, kv_scale):
@@ -94,7 +79,6 @@ def test_a_resume_is_bit_identical_with_an_e4m3_kv_cache(tmp_path, kv_scale):
     interrupted = _tiny(tmp_path, "interrupted", *extra)
     run(interrupted, progress=False, stop_after=2)
     run(interrupted, progress=False)
-    drop = lambda m: {s: {k: v for k, v in vals.items() if not _is_timing(k)} for s, vals in m.items()}  # noqa: E731
-    a, b = drop(_metrics(tmp_path / "straight")), drop(_metrics(tmp_path / "interrupted"))
+    a, b = (step_metrics(tmp_path / name, timings=False) for name in ("straight", "interrupted"))
     assert sorted(a) == [0, 1, 2, 3, 4] and a[3][M_KV_SCALE_STEP] == 2.0
     assert a == b

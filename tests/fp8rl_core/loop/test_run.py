@@ -3,33 +3,19 @@ import json
 
 import pytest
 import torch
+from _tiny_runs import step_metrics, tiny_config  # beside this file (tests/fp8rl_core/loop)
 
 from fp8rl_core.config import load_run_config
 from fp8rl_core.loop.run import run
 from fp8rl_core.model import bf16
 
 
-def _is_timing(key: str) -> bool:
-    """Wall-clock metrics differ run to run; everything else must match bit for bit."""
-    return key.endswith("time_s") or key.endswith("per_s")
-
-
 def _tiny(tmp_path, name, *extra):
-    return load_run_config(None, [
-        f"output_dir={tmp_path / name}", f"warmstart.cache_dir={tmp_path / 'ws'}", "warmstart.steps=10",
-        "warmstart.batch_size=16", "train.steps=4", "train.val_every=2", "train.checkpoint_every=2",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=3", "rollout.max_new_tokens=5",
-        "task.val_size=6", "threads=1", *extra])
+    return tiny_config(tmp_path, name, *extra)
 
 
 def _metrics(path):
-    out = {}
-    for line in (path / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "metrics":
-            vals = {k: v for k, v in rec["values"].items() if not _is_timing(k)}
-            out.setdefault(rec["step"], {}).update(vals)
-    return out
+    return step_metrics(path, timings=False)
 
 
 @pytest.mark.slow
@@ -228,7 +214,6 @@ def test_numerics_tags_per_attempt_and_a_warning_when_a_resume_switches_path(tmp
 
 
 def test_numerics_tags_name_the_path_flags_and_executor(monkeypatch):
-    from fp8rl_core.config import load_run_config
     from fp8rl_core.fp8.gemm import select_executor
     from fp8rl_core.loop.builder import numerics_tags, resolve_setup
 
