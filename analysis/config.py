@@ -33,6 +33,10 @@ Fields (all optional in the sweep file):
   accuracy points: a validation step of `accuracy_metric` more than this below the run's best earlier
   validation is flagged, and its run has an episode). `analysis.episodes` reads the band; it never enters
   a claim's verdict. `to_dict` leaves it out while it is the default band (claims.json's config as before).
+- `reference` (a mapping knob -> value, numerics reports only; default: empty, every knob at its default): the
+  arm every other arm is paired against (`analysis.numerics_arms`), e.g. `{fp8.format: nvfp4,
+  loss.importance_sampling: token}`; the knobs it does not name stay at their defaults. Keys: the numerics
+  knobs (`analysis.numerics_arms.KNOB_DEFAULTS`). `to_dict` leaves it out while it is empty.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from analysis.numerics_arms import KNOB_DEFAULTS
 from fp8rl_core.tracking import M_VAL_ACC, M_VAL_ACC_BF16_EVAL
 
 SECTION = "analysis"
@@ -51,6 +56,7 @@ CLAIMS, NUMERICS, ENGINES = "claims", "numerics", "engines"
 KINDS = (CLAIMS, NUMERICS, ENGINES)  # kind's allowed values
 CHOICES = {"accuracy_metric": ACCURACY_METRICS, "kind": KINDS}  # the string fields and their allowed values
 EPISODES = "episodes"  # the nested mapping's key in `analysis:`
+REFERENCE = "reference"  # the numerics report's reference arm: a mapping knob -> value
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,7 @@ class AnalysisConfig:
     accuracy_metric: str = M_VAL_ACC
     kind: str = CLAIMS  # after the older keys: the unknown-key message lists them first, as before
     episodes: EpisodeBand = field(default_factory=EpisodeBand)  # the instability band (analysis.episodes)
+    reference: dict[str, str] = field(default_factory=dict)  # numerics: the arm paired against (knob -> value)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -124,6 +131,8 @@ class AnalysisConfig:
             del out["kind"]
         if self.episodes == EpisodeBand():
             del out[EPISODES]
+        if not self.reference:
+            del out[REFERENCE]
         return out
 
 
@@ -140,12 +149,29 @@ def _build(cls: type, raw: Any, where: str) -> Any:
     for f in dataclasses.fields(cls):
         if f.name == EPISODES and f.name in raw:  # the nested band: validated with its own keys
             values[f.name] = EpisodeBand.from_dict(raw[f.name], f"{where}.{f.name}")
+        elif f.name == REFERENCE and f.name in raw:
+            values[f.name] = _reference(raw[f.name], f"{where}.{f.name}")
         elif f.name in raw:
             values[f.name] = _coerce(f"{where}.{f.name}", raw[f.name], f.default)
     try:
         return cls(**values)
     except ValueError as e:  # "<field>: ..." from the rules: name it from the file's section down
         raise ValueError(f"{where}.{e}") from None
+
+
+def _reference(raw: Any, where: str) -> dict[str, str]:
+    """`analysis.reference`: knob -> value, each value a scalar kept as the string a run's param holds."""
+    allowed = ", ".join(KNOB_DEFAULTS)
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}: expected a mapping of numerics knobs to values ({allowed}), got {raw!r}")
+    out = {}
+    for key, value in raw.items():
+        if key not in KNOB_DEFAULTS:
+            raise ValueError(f"{where}.{key}: not a numerics knob; valid knobs are: {allowed}")
+        if isinstance(value, (Mapping, list, tuple)) or value is None:
+            raise ValueError(f"{where}.{key}: expected one value (a string or number), got {value!r}")
+        out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    return out
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -175,6 +201,10 @@ def _check(c: AnalysisConfig) -> None:
         ("trim", 0 <= c.trim < 0.5, "a proportion in [0, 0.5), e.g. 0.1"),
         ("accuracy_metric", c.accuracy_metric in ACCURACY_METRICS, "one of: " + ", ".join(ACCURACY_METRICS)),
         ("kind", c.kind in KINDS, "one of: " + ", ".join(KINDS)),
+        (REFERENCE, isinstance(c.reference, dict) and set(c.reference) <= set(KNOB_DEFAULTS),
+         "a mapping of numerics knobs to values; knobs: " + ", ".join(KNOB_DEFAULTS)),
+        (REFERENCE, not c.reference or c.kind == NUMERICS, "unset: only a numerics report (analysis.kind: numerics) "
+         "pairs arms with a reference"),
         (EPISODES, isinstance(c.episodes, EpisodeBand),
          "an EpisodeBand (in a sweep file: a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(
              EpisodeBand)) + ")"),

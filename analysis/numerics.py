@@ -20,6 +20,12 @@ the two knobs together, not either one). Two runs with the same arm and seed (th
 key that is not a knob, e.g. the recipe) make a ValueError naming the differing params: pairing by
 seed would be ambiguous. Matched-kernel runs (`analysis.kernel_match`) are left out, as in the claims.
 
+**The reference arm.** By default every arm is paired with the `default` arm. A sweep whose arms all share a
+non-default setting (sweeps/fp8_corrections.yaml: NVFP4 generation everywhere) or that compares with another
+arm names it in `analysis.reference` (knob -> value, `analysis.config`): the labels then name what differs
+from it, the reference arm is labelled `reference`, and "default" below reads "reference"; numerics.json's
+config carries the mapping. The default report's files are unchanged without the key.
+
 **Per run** (over its logged steps): `mismatch_median` = median of token_mult_prob_error (robust to
 the spikes, as in the claims); `gen_kl` = mean of gen_kl_error (the catalogue's `M_GEN_KL`); the mean
 of each tail fraction (`TAIL_FRACTIONS`); the final value (last validation step) of both accuracy
@@ -103,7 +109,8 @@ def result_json(result: NumericsResult, cfg: AnalysisConfig, prov: dict) -> dict
     it came from."""
     return jsonable({
         "kind": "numerics", "provenance": prov,
-        "config": {"alpha": cfg.alpha, "confidence": result.confidence, "accuracy_metric": cfg.accuracy_metric},
+        "config": {"alpha": cfg.alpha, "confidence": result.confidence, "accuracy_metric": cfg.accuracy_metric,
+                   **({"reference": result.reference, "reference_arm": result.base} if result.reference else {})},
         "knob_defaults": KNOB_DEFAULTS,
         "metrics": [{"key": m.key, "label": m.label, "definition": m.definition,
                      "display": "ratio 10^effect" if m.log_ratio else f"x{m.scale:g}{m.unit}"} for m in result.metrics],
@@ -148,7 +155,7 @@ def _runs_lines(data: SweepData, result: NumericsResult) -> list[str]:
     statuses = Counter(r.status for r in data.runs)
     state = ", ".join(f"{n} {s}" for s, n in sorted(statuses.items())) or "no runs"
     lines = [f"Tracking URI `{data.uri}`, parent run `{data.parent_run_id}`, {len(data.runs)} child runs ({state}); "
-             f"{len(result.runs)} with distinct kernels in {len(result.arms)} arms (the default and "
+             f"{len(result.runs)} with distinct kernels in {len(result.arms)} arms (the {result.base} and "
              f"{len(result.compared)} knob settings)."]
     left = len(data.runs) - len(result.runs)
     if left:
@@ -170,14 +177,14 @@ def write_numerics(result: NumericsResult, cfg: AnalysisConfig, out_dir: str | P
     table = markdown_table(result)
     episodes = ["## Instability episodes", "", result.episodes.markdown()] if result.episodes else []
     table_md = out / "numerics.md"
-    table_md.write_text("\n".join(["# Numerics: each knob vs the default recipe", "", table, *episodes]))
+    table_md.write_text("\n".join([f"# Numerics: each knob vs {result.base_text}", "", table, *episodes]))
     js = result_json(result, cfg, prov)
     json_path = out / "numerics.json"
     json_path.write_text(json.dumps(js, indent=2) + "\n")
     text = verdicts_text(result, figure_metrics(cfg)) + (f"\n\n{result.episodes.text()}" if result.episodes else "")
     link = ui_link(data.uri, data.experiment_id, data.parent_run_id) if data else ""
     head = [*_runs_lines(data, result), f"In the MLflow UI: {link}", ""] if data else []
-    title = "Figure 3: numerics knobs vs the default recipe"
+    title = f"Figure 3: numerics knobs vs {result.base_text}"
     report = out / "report.md"
     report.write_text("\n".join([f"# Numerics report: {sweep or '?'}", "", *head, f"## {title}", "",
                                  f"![{title}]({figure[0].name})", "", f"([SVG]({figure[1].name}))", "",

@@ -1,6 +1,12 @@
 """The numerics study's arms: a run's knob setting, normalized, and its label (`analysis/numerics.py`'s
 module docstring says how the knobs are normalized), and the names of a paired effect's verdicts. Its own
-module so that `analysis.numerics` and `analysis.numerics_episodes` share it without importing each other."""
+module so that `analysis.numerics` and `analysis.numerics_episodes` share it without importing each other.
+
+**The reference arm.** Every arm is paired against one reference setting of the knobs: by default every knob at
+its default (the arm labelled `default`); a sweep file's `analysis.reference` (knob -> value, the knobs not named
+at their defaults) names another, e.g. `{fp8.format: nvfp4, loss.importance_sampling: token}` for corrections
+compared with per-token IS under NVFP4 generation. Labels then name what differs from the reference, and the
+reference arm itself is labelled `reference`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -8,7 +14,8 @@ from collections.abc import Mapping
 from fp8rl_core.config import Fp8Spec, LossSpec
 from fp8rl_core.fp8.formats import FORMATS  # torch-free registry
 
-DEFAULT_ARM = "default"
+DEFAULT_ARM = "default"  # the reference arm's label when the reference is every knob's default
+REFERENCE_ARM = "reference"  # its label under a sweep file's `analysis.reference`
 # the knobs and their defaults as the params read them (strings), from the run config itself; the order
 # of labels and of the table
 KNOBS = ("format", "scale_format", "quantize_from", "lm_head", "bf16_first_layers", "bf16_last_layers",
@@ -45,12 +52,34 @@ def knob_values(params: Mapping[str, str]) -> dict[str, str]:
     return values
 
 
-def changed_knobs(params: Mapping[str, str]) -> dict[str, str]:
-    """The knobs whose value differs from the default, in `KNOB_DEFAULTS` order."""
-    return {k: v for k, v in knob_values(params).items() if v != KNOB_DEFAULTS[k]}
+def reference_values(reference: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The reference arm's knobs, normalized: the defaults, with `reference`'s values over them."""
+    return knob_values({**KNOB_DEFAULTS, **(reference or {})})
 
 
-def arm_label(params: Mapping[str, str]) -> str:
-    """`default`, `fp8.format=mxfp8`, or `fp8.format=mxfp8 + fp8.lm_head=fp8` (two knobs)."""
-    changed = changed_knobs(params)
-    return " + ".join(f"{k}={v}" for k, v in changed.items()) or DEFAULT_ARM
+def reference_label(reference: Mapping[str, str] | None = None) -> str:
+    """The reference arm's label: `default`, or `reference` under an `analysis.reference`."""
+    return REFERENCE_ARM if reference else DEFAULT_ARM
+
+
+def reference_settings(reference: Mapping[str, str]) -> str:
+    """'fp8.format=nvfp4 + loss.importance_sampling=token': the knobs `reference` names, normalized."""
+    values = reference_values(reference)
+    return " + ".join(f"{k}={values[k]}" for k in KNOB_DEFAULTS if k in reference)
+
+
+def reference_text(reference: Mapping[str, str] | None = None) -> str:
+    """'the default recipe', or 'the reference (fp8.format=nvfp4 + loss.importance_sampling=token)'."""
+    return f"the reference ({reference_settings(reference)})" if reference else "the default recipe"
+
+
+def changed_knobs(params: Mapping[str, str], reference: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The knobs whose value differs from the reference's (the defaults'), in `KNOB_DEFAULTS` order."""
+    ref = reference_values(reference)
+    return {k: v for k, v in knob_values(params).items() if v != ref[k]}
+
+
+def arm_label(params: Mapping[str, str], reference: Mapping[str, str] | None = None) -> str:
+    """`default` (or `reference`), `fp8.format=mxfp8`, or `fp8.format=mxfp8 + fp8.lm_head=fp8` (two knobs)."""
+    changed = changed_knobs(params, reference)
+    return " + ".join(f"{k}={v}" for k, v in changed.items()) or reference_label(reference)

@@ -21,7 +21,6 @@ from analysis.config import ACCURACY_METRICS, AnalysisConfig
 from analysis.fetch import RunHistory
 from analysis.kernel_match import only_kernels
 from analysis.numerics_arms import (
-    DEFAULT_ARM,
     HIGHER,
     KNOB_DEFAULTS,
     LOWER,
@@ -29,6 +28,9 @@ from analysis.numerics_arms import (
     TOO_FEW,
     arm_label,
     changed_knobs,
+    reference_label,
+    reference_text,
+    reference_values,
 )
 from analysis.stats import p_value, t_interval
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL
@@ -85,7 +87,7 @@ class RunNumerics:
     status: str
     seed: str
     arm: str
-    knobs: dict[str, str]  # the changed knobs ({} for the default arm)
+    knobs: dict[str, str]  # the knobs changed from the reference's ({} for the reference arm)
     values: dict[str, float]  # Metric.key -> per-run summary (NaN: not logged)
 
 
@@ -98,15 +100,15 @@ def summarize_run(run: RunHistory, cfg: AnalysisConfig | None = None) -> RunNume
         values[key] = mean_value(run, key)
     for m in ACCURACY_METRICS:
         values[f"final_{m}"] = final_value(run, m)
-    return RunNumerics(run.run_id, run.run_name, run.status, run.get(TAG_SEED) or "?", arm_label(run.params),
-                       changed_knobs(run.params), values)
+    return RunNumerics(run.run_id, run.run_name, run.status, run.get(TAG_SEED) or "?",
+                       arm_label(run.params, cfg.reference), changed_knobs(run.params, cfg.reference), values)
 
 
 # --- per arm ---------------------------------------------------------------------------------------
 
 @dataclass
 class Effect:
-    """One metric of one arm vs default: the per-seed differences and their paired t interval."""
+    """One metric of one arm vs the reference arm: the per-seed differences and their paired t interval."""
 
     arm: str
     metric: str
@@ -134,7 +136,7 @@ class Arm:
     label: str
     knobs: dict[str, str]
     runs: dict[str, str]  # seed -> run id
-    effects: dict[str, Effect] = field(default_factory=dict)  # Metric.key -> Effect (none for the default)
+    effects: dict[str, Effect] = field(default_factory=dict)  # Metric.key -> Effect (none for the reference)
 
     @property
     def n_knobs(self) -> int:
@@ -143,15 +145,30 @@ class Arm:
 
 @dataclass
 class NumericsResult:
-    arms: list[Arm]  # the default first, then the others ordered by their mismatch effect
+    arms: list[Arm]  # the reference arm first, then the others ordered by their mismatch effect
     runs: list[RunNumerics]
     metrics: list[Metric]
     confidence: float
     episodes: NumericsEpisodes | None = None  # every run's instability flags (analysis.numerics_episodes)
+    reference: dict[str, str] = field(default_factory=dict)  # `analysis.reference` ({}: every knob's default)
+
+    @property
+    def base(self) -> str:
+        """The reference arm's label: `default` or `reference`."""
+        return reference_label(self.reference)
+
+    @property
+    def base_text(self) -> str:
+        """'the default recipe' or 'the reference (fp8.format=nvfp4 + ...)', for titles and notes."""
+        return reference_text(self.reference)
+
+    @property
+    def base_arm(self) -> Arm:
+        return next(a for a in self.arms if a.label == self.base)
 
     @property
     def compared(self) -> list[Arm]:
-        return [a for a in self.arms if a.label != DEFAULT_ARM]
+        return [a for a in self.arms if a.label != self.base]
 
     def seeds_range(self) -> str:
         """'3' or '2–3': the n of the figure's mismatch effects."""
@@ -167,7 +184,7 @@ def verdict(lo: float, hi: float, n: int) -> str:
 
 def paired_effect(arm: str, metric: str, arm_runs: Mapping[str, RunNumerics], base: Mapping[str, RunNumerics],
                   confidence: float) -> Effect:
-    """arm − default per seed both have (finite values only), seeds in sorted order."""
+    """arm − reference per seed both have (finite values only), seeds in sorted order."""
     seeds, d = [], []
     for seed in sorted(set(arm_runs) & set(base), key=seed_key):
         a, b = arm_runs[seed].values[metric], base[seed].values[metric]
@@ -188,15 +205,28 @@ def _collision(label: str, seed: str, runs: Sequence[RunHistory]) -> ValueError:
                       f"({', '.join(KNOB_DEFAULTS)}) and the seed")
 
 
+def _no_reference(reference: Mapping[str, str], by_arm: Mapping[str, object]) -> ValueError:
+    found = ", ".join(sorted(by_arm)) or "no runs"
+    if not reference:
+        defaults = ", ".join(f"{k}={v}" for k, v in KNOB_DEFAULTS.items())
+        return ValueError(f"no default arm: no run has every numerics knob at its default ({defaults}); arms found: "
+                          f"{found}. The numerics sweep needs a cell with the default recipe to pair every knob with, "
+                          "or an analysis.reference naming the arm to pair with")
+    wanted = ", ".join(f"{k}={v}" for k, v in reference_values(reference).items())
+    return ValueError(f"no reference arm: no run has the knobs of analysis.reference ({wanted}); arms found (labelled "
+                      f"by what differs from it): {found}")
+
+
 def _order_key(arm: Arm) -> tuple:
     e = arm.effects[MISMATCH_LOG].mean
     return (0, -e, arm.label) if np.isfinite(e) else (1, 0.0, arm.label)
 
 
 def analyze(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None, episodes: bool = True) -> NumericsResult:
-    """Arms, per-run summaries and paired effects of the distinct-kernel `runs` (module docstring), and
-    (`episodes`) every run's instability flags with the sensitivity line, which re-runs this without
-    them. ValueError when no run is the default arm or when two runs share an arm and a seed."""
+    """Arms, per-run summaries and paired effects of the distinct-kernel `runs` (module docstring), each arm
+    against the reference arm (`cfg.reference`, by default every knob at its default), and (`episodes`) every
+    run's instability flags with the sensitivity line, which re-runs this without them. ValueError when no run
+    is the reference arm or when two runs share an arm and a seed."""
     cfg = cfg or AnalysisConfig()
     every = list(runs)  # the episodes flag matched-kernel runs too (their tags), as the claims report does
     runs = only_kernels(every)
@@ -210,24 +240,22 @@ def analyze(runs: Sequence[RunHistory], cfg: AnalysisConfig | None = None, episo
     for (label, seed), group in source.items():
         if len(group) > 1:
             raise _collision(label, seed, group)
-    if DEFAULT_ARM not in by_arm:
-        found = ", ".join(sorted(by_arm)) or "no runs"
-        defaults = ", ".join(f"{k}={v}" for k, v in KNOB_DEFAULTS.items())
-        raise ValueError(f"no default arm: no run has every numerics knob at its default ({defaults}); arms found: "
-                         f"{found}. The numerics sweep needs a cell with the default recipe to pair every knob with")
+    label_of_base = reference_label(cfg.reference)
+    if label_of_base not in by_arm:
+        raise _no_reference(cfg.reference, by_arm)
     metrics = metrics_for(cfg)
-    base = by_arm[DEFAULT_ARM]
+    base = by_arm[label_of_base]
     arms = []
     for label, members in by_arm.items():
         knobs = next(iter(members.values())).knobs
         ids = {seed: members[seed].run_id for seed in sorted(members, key=seed_key)}
         arm = Arm(label, knobs, ids)
-        if label != DEFAULT_ARM:
+        if label != label_of_base:
             arm.effects = {m.key: paired_effect(label, m.key, members, base, confidence) for m in metrics}
         arms.append(arm)
-    default = next(a for a in arms if a.label == DEFAULT_ARM)
-    ordered = sorted((a for a in arms if a is not default), key=_order_key)
-    result = NumericsResult([default, *ordered], summaries, metrics, confidence)
+    reference = next(a for a in arms if a.label == label_of_base)
+    ordered = sorted((a for a in arms if a is not reference), key=_order_key)
+    result = NumericsResult([reference, *ordered], summaries, metrics, confidence, reference=dict(cfg.reference))
     if episodes:
         from analysis.numerics_episodes import numerics_episodes
 

@@ -8,14 +8,14 @@
 
 The same detection, rates and section as the claims report (`analysis.episodes`, `analysis.episode_report`,
 band `analysis.episodes`), with the numerics study's arm: a run's knob setting (`numerics.arm_label`),
-so the rates are k of n runs per knob setting (default included) and a run is named `<arm>/seed <s>`
-(the recipe and IS tags are the same in every arm).
+so the rates are k of n runs per knob setting (the reference arm included: `default`, or `reference` under an
+`analysis.reference`) and a run is named `<arm>/seed <s>` (the recipe and IS tags are the same in every arm).
 
 Sensitivity: the per-knob paired effects re-run (`numerics.analyze`, same config) on the runs minus the
 flagged distinct-kernel runs; every verdict of the table (knob × metric, `numerics.verdict(lo, hi, n)`)
 that differs is named. The effects pair by seed, so a flagged knob run takes its seed's pair of that
-knob with it and a flagged default run takes its seed's pair of every knob; a knob left with fewer
-than two pairs is `n/a (n < 2)`, and with no default run left every verdict is.
+knob with it and a flagged reference run takes its seed's pair of every knob; a knob left with fewer
+than two pairs is `n/a (n < 2)`, and with no reference run left every verdict is.
 
 Figure 3 plots per-knob effects, not per-step curves, so the marks go on the knobs' rows
 (`pair_seeds`, `tick`, `figure_note`): a cross on each per-seed difference whose pair holds a flagged
@@ -33,7 +33,7 @@ from analysis.episode_report import NO_FLAGGED, EpisodeSection, left_out_text
 from analysis.episodes import RunEpisodes, arm_rates, detect_all
 from analysis.fetch import RunHistory
 from analysis.kernel_match import DISTINCT, only_kernels
-from analysis.numerics_arms import DEFAULT_ARM, TOO_FEW, arm_label
+from analysis.numerics_arms import DEFAULT_ARM, TOO_FEW, arm_label, reference_label
 
 if TYPE_CHECKING:  # the result type only: analysis.numerics_effects imports this module
     from analysis.numerics_effects import NumericsResult
@@ -41,10 +41,10 @@ if TYPE_CHECKING:  # the result type only: analysis.numerics_effects imports thi
 ARM = "arm"  # the rates' group key (as numerics.json's arms)
 
 
-def run_label(run: RunHistory, e: RunEpisodes) -> str:
-    """'fp8.format=nvfp4/seed 2' (+ ', matched kernels' for a floor run)."""
+def run_label(run: RunHistory, e: RunEpisodes, reference: dict[str, str] | None = None) -> str:
+    """'fp8.format=nvfp4/seed 2' (+ ', matched kernels' for a floor run); labelled against `reference`."""
     tail = "" if e.kernels == DISTINCT else f", {e.kernels} kernels"
-    return f"{arm_label(run.params)}/seed {e.seed}{tail}"
+    return f"{arm_label(run.params, reference)}/seed {e.seed}{tail}"
 
 
 def knob_verdicts(result: NumericsResult) -> dict[tuple[str, str], str]:
@@ -58,7 +58,7 @@ class NumericsSensitivity:
 
     left_out: list[str]
     changes: list[tuple[str, str, str, str]] = field(default_factory=list)
-    no_default: bool = False  # every default run was left out: no pair is left
+    no_default: bool = False  # every reference run was left out: no pair is left
     line: str = ""
 
     def to_dict(self) -> dict:
@@ -67,7 +67,7 @@ class NumericsSensitivity:
 
 
 def numerics_line(left_out: Sequence[str], changes: Sequence[tuple[str, str, str, str]], labels: dict[str, str],
-                  no_default: bool = False) -> str:
+                  no_default: bool = False, base: str = DEFAULT_ARM) -> str:
     """The claims report's sentence for knobs: 'Sensitivity: leaving out the 1 flagged run (a), no knob's
     verdict changes' / '..., fp8.format=mxfp8 final val_accuracy changes lower -> no detectable difference'.
     `labels`: metric key -> its table label."""
@@ -75,7 +75,7 @@ def numerics_line(left_out: Sequence[str], changes: Sequence[tuple[str, str, str
         return NO_FLAGGED
     head = f"Sensitivity: leaving out {left_out_text(left_out)}"
     if no_default:
-        return f"{head}, no default run is left, so every knob's verdict is {TOO_FEW}"
+        return f"{head}, no {base} run is left, so every knob's verdict is {TOO_FEW}"
     if not changes:
         return f"{head}, no knob's verdict changes"
     return f"{head}, " + "; ".join(f"{k} {labels.get(m, m)} changes {a} -> {b}" for k, m, a, b in changes)
@@ -92,12 +92,13 @@ def numerics_sensitivity(runs: Sequence[RunHistory], episodes: Sequence[RunEpiso
     if not left_out:
         return NumericsSensitivity([], line=NO_FLAGGED)
     kept = [r for r, o in zip(runs, out) if not o]
-    no_default = not any(arm_label(r.params) == DEFAULT_ARM for r in only_kernels(kept))
-    after = {} if no_default else knob_verdicts(reanalyze(kept))  # the analysis needs a default arm
+    no_default = not any(arm_label(r.params, result.reference) == result.base for r in only_kernels(kept))
+    after = {} if no_default else knob_verdicts(reanalyze(kept))  # the analysis needs a reference arm
     changes = [(k, m, a, after.get((k, m), TOO_FEW)) for (k, m), a in knob_verdicts(result).items()
                if a != after.get((k, m), TOO_FEW)]
     labels = {m.key: m.label for m in result.metrics}
-    return NumericsSensitivity(left_out, changes, no_default, numerics_line(left_out, changes, labels, no_default))
+    return NumericsSensitivity(left_out, changes, no_default,
+                               numerics_line(left_out, changes, labels, no_default, result.base))
 
 
 @dataclass
@@ -105,10 +106,11 @@ class NumericsEpisodes(EpisodeSection):
     """The claims report's section with knob settings as arms, plus what Figure 3 marks."""
 
     flagged_seeds: dict[str, set[str]] = field(default_factory=dict)  # knob setting -> seeds of its flagged runs
+    base: str = DEFAULT_ARM  # the reference arm's label
 
     def pair_seeds(self, arm: str) -> set[str]:
-        """The seeds whose pair (the arm's run − the default's run) holds a flagged distinct-kernel run."""
-        return self.flagged_seeds.get(arm, set()) | self.flagged_seeds.get(DEFAULT_ARM, set())
+        """The seeds whose pair (the arm's run − the reference's run) holds a flagged distinct-kernel run."""
+        return self.flagged_seeds.get(arm, set()) | self.flagged_seeds.get(self.base, set())
 
     def rate_text(self, arm: str) -> str:
         """'1/3 runs flagged' for an arm with a flagged run, else ''."""
@@ -124,9 +126,9 @@ class NumericsEpisodes(EpisodeSection):
         """Figure 3's caption line about the crosses ('' when no distinct-kernel run is flagged)."""
         if not self.flagged_seeds:
             return ""
-        default = self.rate_text(DEFAULT_ARM)
+        default = self.rate_text(self.base)
         return ("crosses: seeds whose pair holds a run with an instability episode (analysis.episodes)"
-                + (f"; default: {default}" if default else ""))
+                + (f"; {self.base}: {default}" if default else ""))
 
 
 def numerics_episodes(runs: Sequence[RunHistory], result: NumericsResult, cfg: AnalysisConfig | None,
@@ -136,13 +138,15 @@ def numerics_episodes(runs: Sequence[RunHistory], result: NumericsResult, cfg: A
     cfg = cfg or AnalysisConfig()
     runs = list(runs)
     eps = detect_all(runs, cfg)
-    names = [run_label(r, e) for r, e in zip(runs, eps)]
+    ref = result.reference
+    names = [run_label(r, e, ref) for r, e in zip(runs, eps)]
     order = {a.label: i for i, a in enumerate(result.arms)}
-    rates = sorted(arm_rates(runs, cfg, (ARM,), key=lambda r: (arm_label(r.params),), label=run_label),
+    rates = sorted(arm_rates(runs, cfg, (ARM,), key=lambda r: (arm_label(r.params, ref),),
+                             label=lambda r, e: run_label(r, e, ref)),
                    key=lambda a: order.get(a.group[ARM], len(order)))
     seeds: dict[str, set[str]] = defaultdict(set)
     for r, e in zip(runs, eps):
         if e.has_episode and e.kernels == DISTINCT:
-            seeds[arm_label(r.params)].add(e.seed)
+            seeds[arm_label(r.params, ref)].add(e.seed)
     sensitivity = numerics_sensitivity(runs, eps, names, result, reanalyze)
-    return NumericsEpisodes(cfg, eps, rates, sensitivity, names, dict(seeds))
+    return NumericsEpisodes(cfg, eps, rates, sensitivity, names, dict(seeds), reference_label(ref))

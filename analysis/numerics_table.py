@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from analysis.numerics_arms import DEFAULT_ARM
+from analysis.numerics_arms import reference_settings
 from analysis.numerics_effects import MISMATCH_LOG, Arm, Metric, NumericsResult
 
 
@@ -29,17 +29,18 @@ def arm_cell(arm: Arm) -> str:
 
 
 def markdown_table(result: NumericsResult) -> str:
-    """One row per arm × metric: n, effect (arm − default), interval, verdict."""
-    pct = f"{result.confidence:.0%}"
-    lines = [f"| knob | metric | n | effect (knob − default) | {pct} CI | verdict |", "|---|---|--:|--:|---|---|"]
+    """One row per arm × metric: n, effect (arm − reference arm), interval, verdict."""
+    pct, base = f"{result.confidence:.0%}", result.base
+    lines = [f"| knob | metric | n | effect (knob − {base}) | {pct} CI | verdict |", "|---|---|--:|--:|---|---|"]
     for arm in result.compared:
         for m in result.metrics:
             e = arm.effects[m.key]
             ci = "n/a" if not np.isfinite(e.ci_low) else f"[{fmt_effect(e.ci_low, m)}, {fmt_effect(e.ci_high, m)}]"
             label = m.label.replace("|", "\\|")  # |Δ log p| inside a table cell
             lines.append(f"| {arm_cell(arm)} | {label} | {e.n} | {fmt_effect(e.mean, m)} | {ci} | {e.verdict} |")
-    default = next(a for a in result.arms if a.label == DEFAULT_ARM)
-    note = (f"Paired by seed: per seed the knob's run minus the default run ({len(default.runs)} default runs). "
+    ref = f" ({base}: {reference_settings(result.reference)})" if result.reference else ""
+    note = (f"Paired by seed: per seed the knob's run minus the {base} run ({len(result.base_arm.runs)} {base} runs)"
+            f"{ref}. "
             f"Effect: the mean difference, with the {pct} paired t interval over n seeds; verdict higher / lower when "
             "the interval excludes 0, else no detectable difference. Mismatch excess ratio: the paired difference of "
             "log10(median token_mult_prob_error − 1), shown as the ratio of excess mismatch (×1 = no effect). "
@@ -50,7 +51,7 @@ def markdown_table(result: NumericsResult) -> str:
 def verdicts_text(result: NumericsResult, figure: Sequence[str]) -> str:
     """The terminal summary: one line per arm with its figure metrics."""
     by_key = {m.key: m for m in result.metrics}
-    out = [f"Numerics (paired by seed vs default, {result.confidence:.0%} t intervals):"]
+    out = [f"Numerics (paired by seed vs {result.base}, {result.confidence:.0%} t intervals):"]
     for arm in result.compared:
         parts = []
         for key in figure:

@@ -10,7 +10,7 @@ from pathlib import Path
 from analysis.fetch import SweepData
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
                              text=True, timeout=10, check=True)
@@ -24,7 +24,7 @@ def provenance(data: SweepData | None, sweep_file: str | Path | None, experiment
                   "experiment": experiment, "sweep": data.sweep_name if data else None,
                   "tracking_uri": data.uri if data else None, "parent_run_id": data.parent_run_id if data else None,
                   "stale_runs_left_out": data.stale_runs if data else 0,
-                  "git_commit": _git_commit(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+                  "git_commit": git_commit(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if sweep_file and Path(sweep_file).is_file():
         prov["sweep_file_sha256"] = hashlib.sha256(Path(sweep_file).read_bytes()).hexdigest()
     return prov

@@ -15,7 +15,7 @@ import pytest
 from mlflow import MlflowClient
 from scipy import stats
 
-from analysis.config import AnalysisConfig
+from analysis.config import AnalysisConfig, EpisodeBand
 from analysis.fetch import RunHistory
 from analysis.kernel_match import KERNELS_PARAM, MATCHED
 from analysis.links import ARTIFACT_DIR
@@ -30,6 +30,7 @@ from analysis.numerics_arms import (
     arm_label,
     knob_values,
 )
+from analysis.numerics_table import markdown_table
 from analysis.report import make_report
 from analysis.synthetic import log_sweep
 from fp8rl_core.diagnostics.catalogue import M_GEN_KL
@@ -309,3 +310,90 @@ def test_sweep_file_kind_is_validated(tmp_path):
         load_sweep(path)
     path.write_text(SWEEP.format(uri="sqlite:///mlflow.db"))
     assert AnalysisConfig.from_dict(load_sweep(path).spec.analysis).kind == "numerics"
+
+
+# --- analysis.reference: every arm paired with a named arm (sweeps/fp8_corrections.yaml) ----------------------
+NVFP4 = {"fp8.format": "nvfp4"}
+# importance_sampling -> per seed (excess ratio vs token, gen_kl difference, final-accuracy difference vs token)
+CORRECTIONS = {"none": [(1.5, 2e-4, -0.02), (1.4, 1e-4, -0.03), (1.6, 3e-4, -0.01)],
+               "icepop": [(0.9, -1e-5, 0.04), (0.8, -2e-5, 0.05), (1.0, 0.0, 0.03)]}
+REFERENCE = {"fp8.format": "nvfp4", "loss.importance_sampling": "token"}
+
+
+def correction_runs(token: bool = True) -> list[RunHistory]:
+    """NVFP4 generation in every run: the token-IS arm has BASE_* values, the others differ by CORRECTIONS."""
+    token_runs = [_run("token", s, {**NVFP4, "loss.importance_sampling": "token"}, BASE_EXCESS[s], BASE_KL[s],
+                       BASE_ACC[s]) for s in range(SEEDS)] if token else []
+    return token_runs + [
+        _run(v, s, {**NVFP4, "loss.importance_sampling": v}, BASE_EXCESS[s] * r, BASE_KL[s] + dkl, BASE_ACC[s] + dacc)
+        for v, per_seed in CORRECTIONS.items() for s, (r, dkl, dacc) in enumerate(per_seed)]
+
+
+def test_reference_config_is_validated_at_the_edge():
+    cfg = AnalysisConfig.from_dict({"kind": "numerics", "reference": {"fp8.format": "nvfp4",
+                                                                       "fp8.bf16_last_layers": 1}})
+    assert cfg.reference == {"fp8.format": "nvfp4", "fp8.bf16_last_layers": "1"}  # strings, as params hold them
+    assert AnalysisConfig.from_dict(cfg.to_dict()) == cfg and "reference" not in AnalysisConfig().to_dict()
+    with pytest.raises(ValueError, match=r"analysis\.reference\.fp8\.formats: not a numerics knob; valid knobs are: "
+                                         r"fp8\.format, .*loss\.importance_sampling"):
+        AnalysisConfig.from_dict({"kind": "numerics", "reference": {"fp8.formats": "nvfp4"}})
+    with pytest.raises(ValueError, match=r"analysis\.reference: expected a mapping of numerics knobs"):
+        AnalysisConfig.from_dict({"kind": "numerics", "reference": "token"})
+    with pytest.raises(ValueError, match=r"analysis\.reference\.fp8\.format: expected one value"):
+        AnalysisConfig.from_dict({"kind": "numerics", "reference": {"fp8.format": ["nvfp4"]}})
+    with pytest.raises(ValueError, match=r"analysis\.reference: .* is invalid; expected unset: only a numerics report"):
+        AnalysisConfig.from_dict({"reference": {"fp8.format": "nvfp4"}})  # the claims report has no reference
+
+
+def test_arms_pair_with_the_reference_arm():
+    cfg = AnalysisConfig(kind="numerics", reference=REFERENCE)
+    result = analyze(correction_runs(), cfg)
+    assert result.base == "reference" and result.arms[0].label == "reference"
+    assert result.base_text == "the reference (fp8.format=nvfp4 + loss.importance_sampling=token)"
+    # labelled by what differs from the reference (not by fp8.format=nvfp4, which every arm shares)
+    assert [a.label for a in result.compared] == ["loss.importance_sampling=none", "loss.importance_sampling=icepop"]
+    for arm in result.compared:
+        per_seed = CORRECTIONS[arm.label.split("=")[1]]
+        acc = np.array([a for _, _, a in per_seed])
+        e = arm.effects[f"final_{M_VAL_ACC}"]
+        np.testing.assert_allclose(e.differences, acc, rtol=1e-9, atol=1e-12)
+        assert (e.ci_low, e.ci_high) == tuple(pytest.approx(x, rel=1e-6) for x in _scipy_interval(acc))
+        ratio = np.log10([r for r, _, _ in per_seed])
+        np.testing.assert_allclose(arm.effects[MISMATCH_LOG].differences, ratio, rtol=1e-9, atol=1e-12)
+    assert result.compared[1].effects[f"final_{M_VAL_ACC}"].verdict == HIGHER
+    # without the reference the same runs have no default arm, and the message says how to name one
+    with pytest.raises(ValueError, match=r"no default arm: .*or an analysis\.reference naming the arm to pair with"):
+        analyze(correction_runs())
+    with pytest.raises(ValueError, match=r"no reference arm: no run has the knobs of analysis\.reference "
+                                         r"\(fp8\.format=nvfp4, .*loss\.importance_sampling=token\); arms found "
+                                         r"\(labelled by what differs from it\): loss\.importance_sampling=icepop"):
+        analyze(correction_runs(token=False), cfg)
+
+
+def test_report_names_the_reference(sqlite_uri, tmp_path):
+    log_sweep(sqlite_uri, "fp8rl", "corrections", correction_runs())
+    cfg = AnalysisConfig(kind="numerics", reference=REFERENCE)
+    rep = make_numerics_report(sqlite_uri, "fp8rl", "corrections", tmp_path, config=cfg, log_artifacts=False)
+    js = json.loads(rep.json.read_text())
+    assert js["config"]["reference"] == REFERENCE and js["config"]["reference_arm"] == "reference"
+    assert js["order"] == ["loss.importance_sampling=none", "loss.importance_sampling=icepop"]
+    table = rep.table_md.read_text()
+    assert table.startswith("# Numerics: each knob vs the reference (fp8.format=nvfp4 + "
+                            "loss.importance_sampling=token)")
+    assert "| effect (knob − reference) |" in table and "(3 reference runs) (reference: fp8.format=nvfp4 + " in table
+    assert rep.verdicts_text.startswith("Numerics (paired by seed vs reference, 95% t intervals):")
+    # without the key the default report's words are as before
+    assert "knob − default" in markdown_table(analyze(numerics_runs()))
+
+
+def test_episodes_pair_with_the_reference_arm():
+    """A flagged reference run (every step above the band's 1.1) takes its seed's pair of every arm."""
+    runs = correction_runs()
+    runs[0] = _run("token", 0, {**NVFP4, "loss.importance_sampling": "token"}, 0.5, BASE_KL[0], BASE_ACC[0])
+    band = EpisodeBand(max_flagged_fraction=0.3)  # the two spikes of every synthetic run (2 of 10 steps) pass
+    result = analyze(runs, AnalysisConfig(kind="numerics", reference=REFERENCE, episodes=band))
+    eps = result.episodes
+    assert eps.base == "reference" and eps.flagged_seeds == {"reference": {"0"}}
+    assert all(eps.pair_seeds(a.label) == {"0"} for a in result.compared)
+    assert eps.labels[0] == "reference/seed 0" and "reference: 1/3 runs flagged" in eps.figure_note()
+    assert "leaving out the 1 flagged run (reference/seed 0)" in eps.sensitivity.line
