@@ -17,6 +17,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
+import matplotlib.transforms  # noqa: E402
 import numpy as np  # noqa: E402
 
 from analysis.config import AnalysisConfig  # noqa: E402
@@ -70,10 +71,14 @@ def sections_figure(sections: Sequence[Section], metrics: Sequence[Metric], titl
     for ax, m in zip(axes, metrics):
         _panel(ax, m, rows, ys, base)
         ax.set_ylim(-0.7, len(rows) - 0.3)
-    axes[0].set_yticks(ys, [label for label, _, _ in rows])
-    for tick, (_, arm, _) in zip(axes[0].get_yticklabels(), rows):
-        if arm is None:
-            tick.set_fontweight("bold")
+    axes[0].set_yticks(ys, ["" if arm is None else label for label, arm, _ in rows])
+    across = matplotlib.transforms.blended_transform_factory(axes[0].transAxes, axes[0].transData)
+    axes[0].set_zorder(1)  # drawn last: its header texts run over the other panels
+    for y, (label, arm, _) in zip(ys, rows):
+        if arm is None:  # a block's header: left-aligned in its own row, over the panels (the row has no data)
+            axes[0].text(0.01, y, label, transform=across, ha="left", va="center", fontweight="bold",
+                         bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0},
+                         clip_on=False, in_layout=False)  # not in the layout: the panels keep their widths
     fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     if not any(arm for _, arm, _ in rows):
         axes[0].text(0.5, 0.5, "no knob arms yet", transform=axes[0].transAxes, ha="center", color="#777777")
@@ -106,12 +111,12 @@ def _panel(ax, m: Metric, rows: Sequence[tuple[str, Arm | None, Marks | None]], 
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"×{v:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.axvline(1.0, color="#333333", linewidth=1.0, zorder=1)
-        ax.set_xlabel(f"excess mismatch ratio (median − 1), knob / {base}")
+        ax.set_xlabel(f"excess mismatch ratio (median − 1),\nknob / {base}")
     else:
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))  # plain labels: no offset text
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:.3g}"))
         ax.axvline(0.0, color="#333333", linewidth=1.0, zorder=1)
-        ax.set_xlabel(f"Δ {m.label}" + (" (points)" if m.unit else "") + f", knob − {base}")
+        ax.set_xlabel(f"Δ {m.label}" + (" (points)" if m.unit else "") + f",\nknob − {base}")
     ax.set_title(m.label, loc="left", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3, linewidth=0.6)
     ax.spines[["top", "right"]].set_visible(False)
