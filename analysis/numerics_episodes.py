@@ -39,6 +39,12 @@ if TYPE_CHECKING:  # the result type only: analysis.numerics_effects imports thi
     from analysis.numerics_effects import NumericsResult
 
 ARM = "arm"  # the rates' group key (as numerics.json's arms)
+CROSSES = "crosses: seeds whose pair holds a run with an instability episode (analysis.episodes)"
+
+
+def pair_seeds(flagged_seeds: dict[str, set[str]], arm: str, base: str) -> set[str]:
+    """The seeds whose pair (the arm's run − the reference's run) holds a flagged distinct-kernel run."""
+    return flagged_seeds.get(arm, set()) | flagged_seeds.get(base, set())
 
 
 def run_label(run: RunHistory, e: RunEpisodes, reference: dict[str, str] | None = None) -> str:
@@ -110,7 +116,7 @@ class NumericsEpisodes(EpisodeSection):
 
     def pair_seeds(self, arm: str) -> set[str]:
         """The seeds whose pair (the arm's run − the reference's run) holds a flagged distinct-kernel run."""
-        return self.flagged_seeds.get(arm, set()) | self.flagged_seeds.get(self.base, set())
+        return pair_seeds(self.flagged_seeds, arm, self.base)
 
     def rate_text(self, arm: str) -> str:
         """'1/3 runs flagged' for an arm with a flagged run, else ''."""
@@ -127,8 +133,7 @@ class NumericsEpisodes(EpisodeSection):
         if not self.flagged_seeds:
             return ""
         default = self.rate_text(self.base)
-        return ("crosses: seeds whose pair holds a run with an instability episode (analysis.episodes)"
-                + (f"; {self.base}: {default}" if default else ""))
+        return CROSSES + (f"; {self.base}: {default}" if default else "")
 
 
 def numerics_episodes(runs: Sequence[RunHistory], result: NumericsResult, cfg: AnalysisConfig | None,

@@ -28,6 +28,7 @@ from analysis.figures import save
 from analysis.kernel_match import DISTINCT
 from analysis.numerics_arms import reference_label, reference_text
 from analysis.numerics_effects import Arm, Effect, NumericsResult, RunNumerics, figure_metrics, metrics_for
+from analysis.numerics_episodes import CROSSES, pair_seeds
 from analysis.numerics_figure import sections_figure
 from analysis.numerics_table import markdown_table
 from analysis.provenance import git_commit
@@ -46,13 +47,13 @@ class JsonMarks:
     rates: dict[str, str] = field(default_factory=dict)  # arm -> '1/6 runs flagged'
 
     def pair_seeds(self, arm: str) -> set[str]:
-        return self.flagged_seeds.get(arm, set()) | self.flagged_seeds.get(self.base, set())
+        return pair_seeds(self.flagged_seeds, arm, self.base)
 
     def tick(self, arm: str) -> str:
         return f"\n{self.rates[arm]}" if arm in self.rates else ""
 
     def figure_note(self) -> str:
-        return "crosses: seeds whose pair holds a run with an instability episode" if self.flagged_seeds else ""
+        return CROSSES if self.flagged_seeds else ""
 
 
 @dataclass
