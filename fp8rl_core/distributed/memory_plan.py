@@ -50,6 +50,17 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
       parallel.grad_reduce step (W > 1): gradients accumulate unsharded over the micro-batches, so the
           training phase holds all of them beside the saved tensors: grads = 4 N, not max(4 N / W, saved)
   T = prompt + new, b_mb = micro_batch_size (0: all rows_r), b_lp = logprob_batch_size (0: all rows_r).
+  Emulated BF16 (Layout.bf16_upcast: model.bf16_compute resolved to `emulated`, a CPU without BF16 dot
+  products; model/bf16.py): every BF16 product runs in FP32 on upcast copies of its BF16 operands, which
+  costs FP32 bytes where the native path holds BF16 ones:
+    upcast_fp32  4 (N_lin + V h) resident per native engine holding BF16 block linears (the generation
+                 engine of a BF16-generation recipe, the BF16 engine beside an FP8 one): the FP32 copies of
+                 its BF16 block linears and LM head, made once per refit; an FP8-generation engine: the LM
+                 head's only
+    casts        4 N_lin instead of 2 N_lin (BF16 training): each linear saves the FP32 upcast of its weight
+    a            + 16 h + 2 q_dim + 2 I (BF16 training): each linear saves the FP32 upcast of its input,
+                 q, k, v one each (12 h), gate and up one each (8 h), o (4 q_dim) and down (4 I), where the
+                 native path saves the two norm outputs and the o and down inputs once in BF16
   cpu_offload (W > 1: FSDP2's CPUOffloadPolicy) moves params, grads, optimizer and reference to host
   memory (`host`, not counted on the device); the unsharded FSDP copies stay on the device.
 
@@ -112,7 +123,7 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
     the native evaluator 89 against 67, and the issue's review estimated about 100).
 
 Checked against measured peak RSS on the CPU (tests/fp8rl_core/distributed/test_memory_plan.py: tiny and hidden 1024,
-within 25%).
+within 25%, on the BF16 path a run on that CPU takes).
 """
 from __future__ import annotations
 
@@ -126,6 +137,7 @@ from typing import Any
 from fp8rl_core.config import RunConfig, recipe_of, val_batch_rows
 from fp8rl_core.fp8 import kv_bytes
 from fp8rl_core.fp8.formats import FORMATS
+from fp8rl_core.model.bf16 import bf16_path
 from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
 
@@ -164,6 +176,7 @@ class Layout:
     # recipes (resident); vLLM, every recipe (the native evaluator, its own validation phase)
     bf16_engine: bool = False
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
+    bf16_upcast: bool = False  # emulated BF16 (model.bf16_compute resolved to emulated): FP32 upcast copies
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
     # fp8.kv_cache / fp8.kv_scale of the native generation engine (fp8/kv_bytes.py; vLLM's stays auto)
     kv_cache: str = "auto"
@@ -269,6 +282,8 @@ def _activations(cfg: Any, lay: Layout, p: ParamCounts, rows: int) -> dict[str, 
     h, q_dim, L, V = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_hidden_layers, cfg.vocab_size
     attn = 16 if lay.device == "cpu" else 8
     per_block = 18 * h + attn * q_dim + 8 * cfg.intermediate_size + 4 * cfg.head_dim
+    if lay.bf16_upcast and not lay.fp8_training:  # each BF16 linear saves its input's FP32 upcast
+        per_block += 16 * h + 2 * q_dim + 2 * cfg.intermediate_size
     if lay.activation_checkpointing:
         saved, casts = L * 2 * h + per_block, _cast_bytes(lay, p) * p.block // max(p.block_linear, 1)
     else:
@@ -283,6 +298,8 @@ def _activations(cfg: Any, lay: Layout, p: ParamCounts, rows: int) -> dict[str, 
 def _cast_bytes(lay: Layout, p: ParamCounts) -> int:
     """The block linears' weights kept for backward: BF16 casts, or the FP8 trainer's quantized copies."""
     if not lay.fp8_training:
+        if lay.bf16_upcast:  # each linear saves its weight's FP32 upcast (BF16-gathered or autocast)
+            return 4 * p.block_linear
         return 0 if lay.bf16_gather and lay.world_size > 1 else 2 * p.block_linear  # BF16-gathered: no casts
     f = FORMATS[lay.fp8_format]
     if lay.fp8_format != "block128" and lay.device == "cpu":  # the emulation keeps FP32 values per copy
@@ -392,7 +409,9 @@ def _native_engine(cfg: ModelConfig, lay: Layout, p: ParamCounts, gen_weights: i
     """The native engine: its weights resident (+ 2 N for the BF16 engine beside an FP8 one), KV cache
     b_gen x T x kv bytes per token (b_gen = generation_batch_size, else every row, else 1 when paged), and a
     validation phase of the largest validation batch's KV cache (not paged: a paged engine pages it too)."""
-    resident = {"gen_weights": gen_weights, **({"bf16_engine": 2 * p.total} if lay.bf16_engine else {})}
+    resident = {"gen_weights": gen_weights, **({"bf16_engine": 2 * p.total} if lay.bf16_engine else {}),
+                "upcast_fp32": _upcast_bytes(cfg, lay, p, lay.fp8_generation) + _upcast_bytes(cfg, lay, p, False)
+                * lay.bf16_engine}
     rows, kv = lay.rows_per_rank, (lay.kv_cache, lay.kv_scale)
     gen_rows = min(lay.generation_batch_size or (1 if lay.paged_kv else rows), rows)
     phases = {"generation": {"kv_cache": _kv_bytes(cfg, gen_rows, lay.tokens, *kv)}}
@@ -401,6 +420,14 @@ def _native_engine(cfg: ModelConfig, lay: Layout, p: ParamCounts, gen_weights: i
         largest = max(sum(val_batches(lay), []), default=0)
         phases["validation"] = {"val_kv_cache": _kv_bytes(cfg, largest, lay.tokens, *val_kv)}
     return _Engine(phases, resident)
+
+
+def _upcast_bytes(cfg: ModelConfig, lay: Layout, p: ParamCounts, fp8_generation: bool) -> int:
+    """Emulated BF16: one native engine's FP32 copies of its BF16 products' weights, 4 (N_lin + V h); an
+    FP8-generation engine's block linears are FP8 (its LM head only). 0 on the native BF16 path."""
+    if not lay.bf16_upcast:
+        return 0
+    return 4 * ((0 if fp8_generation else p.block_linear) + cfg.vocab_size * cfg.hidden_size)
 
 
 def _step_phases(cfg: ModelConfig, lay: Layout, p: ParamCounts, engine: _Engine, fsdp: dict[str, int]
@@ -490,11 +517,12 @@ def _evaluator_phase(cfg: Any, lay: Layout, p: ParamCounts, kv_token: int, strea
     its weights on the host with sleep mode, on the device without) and its evaluation of one batch of b rows,
     b the largest evaluator batch (the preallocated KV cache; on CUDA a prefill of b prompts + b rows' logits)."""
     b = max(val_batches(lay)[-1], default=0)
-    evaluating = {"bf16_engine": 2 * p.total, "bf16_kv_cache": b * lay.tokens * kv_token}
+    evaluating = {"bf16_engine": 2 * p.total, "upcast_fp32": _upcast_bytes(cfg, lay, p, False),
+                  "bf16_kv_cache": b * lay.tokens * kv_token}
     if lay.device == "cuda":
         width = 4 * cfg.intermediate_size + 8 * cfg.hidden_size  # bytes per token, as gen_activations
         evaluating["bf16_activations"] = b * lay.prompt_tokens * width + b * cfg.vocab_size * 8
-    refit = {"bf16_engine": 2 * p.total, "refit_stream": stream}
+    refit = {"bf16_engine": 2 * p.total, "upcast_fp32": evaluating["upcast_fp32"], "refit_stream": stream}
     return max(evaluating, refit, key=lambda d: sum(d.values()))
 
 
@@ -585,11 +613,13 @@ def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
 def layout_for_run(cfg: RunConfig, world_size: int, prompt_tokens: int | None = None, device: str | None = None
                    ) -> Layout:
     """The Layout of a RunConfig (fp8rl_core/config/run_config.py) at `world_size` ranks. prompt_tokens: the
-    longest prompt; None: allowed_prompt_tokens(cfg)."""
+    longest prompt; None: allowed_prompt_tokens(cfg). The BF16 path (bf16_upcast) is model.bf16_compute as
+    resolved for `device` on the machine that plans (`auto` reads this CPU's flags)."""
     if prompt_tokens is None:
         prompt_tokens = allowed_prompt_tokens(cfg)
 
     recipe = recipe_of(cfg)
+    device = device or ("cpu" if cfg.device == "cpu" else "cuda")
     par = getattr(cfg, "parallel", None)
     vllm = cfg.engines.vllm
     return Layout(vllm=cfg.engines.generation == "vllm", vllm_max_model_len=vllm.max_model_len or 0,
@@ -609,7 +639,7 @@ def layout_for_run(cfg: RunConfig, world_size: int, prompt_tokens: int | None = 
                   fp8_generation=recipe.fp8_generation,
                   bf16_engine=recipe.fp8_generation or cfg.engines.generation == "vllm",
                   fp8_format=(recipe.generation or recipe.training).format if recipe.fp8_generation else "block128",
-                  device=device or ("cpu" if cfg.device == "cpu" else "cuda"),
+                  device=device, bf16_upcast=bf16_path(cfg.model.dtype, cfg.model.bf16_compute, device) == "emulated",
                   kv_cache=recipe.kv_cache, kv_scale=recipe.kv_scale,
                   paged_kv=cfg.engines.generation == "vllm", val_prompts=cfg.task.val_size,
                   val_samples=cfg.train.val_samples, val_batch=val_batch_rows(cfg))

@@ -1,5 +1,6 @@
 """Memory plan: refuses what cannot fit (naming the knobs), accepts a sharded 8B layout, counts parameters
-exactly, and its estimate is within 25% of the peak memory a real step reaches on this CPU.
+exactly, and its estimate is within 25% of the peak memory a real step reaches on this CPU, on the BF16 path
+a run takes here (model.bf16_compute auto: native BF16 kernels with BF16 dot products, else the emulation).
 
 The measurement runs in a fresh subprocess (this file run as a script), so that nothing this test
 process allocated or cached pollutes it: the peak of resident anonymous memory (sampled every 1 ms)
@@ -120,6 +121,13 @@ CASES = {  # name: (model config, rows, prompt tokens, new tokens, recipe)
 }
 
 
+def _upcast() -> bool:
+    """The BF16 path a run on this CPU takes (model.bf16_compute auto): emulated where it has no BF16 dot products."""
+    from fp8rl_core.model.bf16 import resolve_bf16_compute
+
+    return resolve_bf16_compute("auto", "cpu") == "emulated"
+
+
 def _probe(name: str) -> int:
     """In this (fresh) process: one rank's GRPO step at world size 1 and its peak RSS growth in bytes.
 
@@ -132,7 +140,7 @@ def _probe(name: str) -> int:
 
     cfg, rows, prompt, new, recipe = CASES[name]
     torch.set_num_threads(1)
-    _step(ModelConfig(num_hidden_layers=1), 2, 4, 4, recipe)
+    _step(ModelConfig(num_hidden_layers=1), 2, 4, 4, recipe, _upcast())
     base = peak = _rss_anon()
     done = threading.Event()
 
@@ -145,15 +153,16 @@ def _probe(name: str) -> int:
     watcher = threading.Thread(target=sample)
     watcher.start()
     try:
-        _step(cfg, rows, prompt, new, recipe)
+        _step(cfg, rows, prompt, new, recipe, _upcast())
     finally:
         done.set()
         watcher.join()
     return max(peak, _rss_anon()) - base
 
 
-def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str) -> None:
-    """Refit, generate, old log-probs, two train steps (AdamW state exists in the second)."""
+def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str, upcast: bool) -> None:
+    """Refit, generate, old log-probs, two train steps (AdamW state exists in the second); `upcast`: the
+    emulated BF16 path in both engines."""
     import torch
 
     from fp8rl_core.config.recipe import RECIPES
@@ -163,8 +172,9 @@ def _step(cfg: ModelConfig, rows: int, prompt: int, new: int, recipe: str) -> No
     from fp8rl_core.model import build_model
 
     torch.manual_seed(0)
-    train = NativeTrainingEngine(build_model(cfg), recipe=RECIPES[recipe])
-    gen = NativeGenerationEngine(cfg, recipe=RECIPES[recipe], dtype=torch.bfloat16, device="cpu", seed=0)
+    train = NativeTrainingEngine(build_model(cfg), recipe=RECIPES[recipe], upcast_bf16=upcast)
+    gen = NativeGenerationEngine(cfg, recipe=RECIPES[recipe], dtype=torch.bfloat16, device="cpu", seed=0,
+                                 upcast_bf16=upcast)
     gen.refit(train.weights())
     gen.generate(torch.randint(3, cfg.vocab_size, (rows, prompt)).tolist(),
                  SamplingParams(max_new_tokens=new, temperature=1.0))
@@ -206,14 +216,16 @@ def _measure(name: str) -> int:
 def _estimate(name: str) -> int:
     cfg, rows, prompt, new, recipe = CASES[name]
     return plan_memory(cfg, Layout(world_size=1, rows_per_step=rows, prompt_tokens=prompt, max_new_tokens=new,
-                                   fp8_training=recipe == "fp8_e2e", fp8_generation=recipe != "bf16")).peak
+                                   fp8_training=recipe == "fp8_e2e", fp8_generation=recipe != "bf16",
+                                   bf16_upcast=_upcast())).peak
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_estimate_within_25_percent_of_measured_peak(name):
     measured, estimate = _measure(name), _estimate(name)
-    print(f"{name}: estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    path = "emulated" if _upcast() else "native"
+    print(f"{name} ({path} BF16): estimate {estimate / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
     assert 0.75 * measured <= estimate <= 1.25 * measured, (estimate, measured)
 
 
@@ -335,3 +347,26 @@ def test_each_steps_formula_in_bytes():
     bf16 = plan_memory(cfg, replace(lay, bf16_gather=True))
     assert bf16.phases["logprobs"]["fsdp_unsharded"] == 10 * n.block + 8 * n.root
     assert "validation" not in plan.phases and set(plan.phases) == {"generation", "logprobs", "training"}
+
+
+def test_emulated_bf16_counts_its_fp32_upcasts():
+    """model.bf16_compute emulated: FP32 copies of the BF16 engine's linears and head (4 (N_lin + V h)), the
+    trainer's FP32 weight upcasts (4 N_lin, not 2) and each linear's FP32 input (+16 h + 2 q_dim + 2 I per token
+    and block); native: none of them. The layout of a run config resolves the key for the planned device."""
+    cfg = ModelConfig()
+    native = Layout(world_size=1, rows_per_step=64, prompt_tokens=8, max_new_tokens=24)
+    plan, up = plan_memory(cfg, native), plan_memory(cfg, replace(native, bf16_upcast=True))
+    p, h, q_dim, inter = up.params, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.intermediate_size
+    assert "upcast_fp32" not in plan.device
+    assert up.device["upcast_fp32"] == 4 * (p.block_linear + cfg.vocab_size * h)
+    assert up.phases["training"]["casts"] - plan.phases["training"]["casts"] == 2 * p.block_linear
+    extra = up.phases["training"]["activations"] - plan.phases["training"]["activations"]
+    assert extra == 64 * 32 * cfg.num_hidden_layers * (16 * h + 2 * q_dim + 2 * inter)
+    fp8 = plan_memory(cfg, replace(native, bf16_upcast=True, fp8_generation=True, fp8_training=True,
+                                   bf16_engine=True))  # FP8 engine: its head; the BF16 one beside it: all
+    assert fp8.device["upcast_fp32"] == 4 * cfg.vocab_size * h + 4 * (p.block_linear + cfg.vocab_size * h)
+    for mode, device, upcast in (("emulated", "cpu", True), ("native", "cpu", False), ("native", "cuda", False)):
+        run = load_run_config(None, [f"model.bf16_compute={mode}"])
+        assert layout_for_run(run, 1, 8, device).bf16_upcast is upcast, (mode, device)
+    fp32 = load_run_config(None, ["model.dtype=fp32", "device=cpu"])
+    assert not layout_for_run(fp32, 1, 8).bf16_upcast  # nothing runs in BF16
