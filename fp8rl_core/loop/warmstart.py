@@ -78,6 +78,42 @@ def dev_accuracy(model: torch.nn.Module, setup: RunSetup, examples: list) -> flo
     return greedy_accuracy(gen, setup.tokenizer, setup.task, examples, setup.cfg.rollout.max_new_tokens)
 
 
+def sft_optimizer(model: torch.nn.Module, ws: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW at `ws.lr` (no weight decay) and its schedule: linear warmup over `ws.steps // 20` steps, then a
+    cosine decay to 10% at `ws.steps` (ws: the run config's WarmStartSpec)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    warmup = max(1, ws.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s / ws.steps, 1.0))))
+    return opt, sched
+
+
+def sft_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, ids: torch.Tensor,
+             mask: torch.Tensor, autocast: Any) -> torch.Tensor:
+    """One supervised update: sft_loss under `autocast`, backward, gradient norm clipped to 1.0, the optimizer
+    and schedule steps. Returns the loss (a 0-dim tensor, before the update)."""
+    with autocast:
+        value = sft_loss(model, ids, mask)
+    opt.zero_grad(set_to_none=True)
+    value.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return value
+
+
+def sft_autocast(setup: RunSetup) -> Any:
+    """The warm start's autocast: BF16 when the run computes in BF16 (model.dtype), else off."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.compute_dtype == torch.bfloat16)
+
+
+def initial_model(setup: RunSetup) -> torch.nn.Module:
+    """The warm start's starting point: the preset in FP32, initialized from the task's data seed."""
+    torch.manual_seed(setup.cfg.task.data_seed)
+    return build_model(preset(setup.cfg.model.preset, vocab_size=max(32, setup.tokenizer.vocab_size)),
+                       dtype=torch.float32)
+
+
 def _train(model: torch.nn.Module, setup: RunSetup, progress: bool) -> dict[str, float]:
     """Supervised steps until `steps`, or until greedy dev accuracy >= `target_accuracy` (checked every
     `eval_every` steps). Why a target: the tiny model learns carries in a sudden drop of the loss whose
@@ -93,21 +129,12 @@ def _train(model: torch.nn.Module, setup: RunSetup, progress: bool) -> dict[str,
         bf16.upcast_bf16_matmuls(model)  # same parameters and state_dict: the checkpoint is unchanged
     rng = random.Random(cfg.task.data_seed + 1)
     dev = dev_examples(cfg, task) if ws.target_accuracy is not None else []
-    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
-    warmup = max(1, ws.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, cosine decay to 10%
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.55 + 0.45 * math.cos(math.pi * min(s / ws.steps, 1.0))))
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=setup.compute_dtype == torch.bfloat16)
+    opt, sched = sft_optimizer(model, ws)
+    autocast = sft_autocast(setup)
     bar = tqdm(range(ws.steps), desc="warm start", disable=not progress, mininterval=2.0)
     for step in bar:
         ids, mask = sft_batch(task.warmstart_sample(rng, ws.batch_size), tokenizer, task)
-        with autocast:
-            value = sft_loss(model, ids, mask)
-        opt.zero_grad(set_to_none=True)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        value = sft_step(model, opt, sched, ids, mask, autocast)
         done.update(steps=step + 1, final_loss=value.item())
         if dev and (step + 1) % ws.eval_every == 0:
             done["dev_accuracy"] = dev_accuracy(model, setup, dev)
@@ -130,9 +157,7 @@ def warm_start(setup: RunSetup, progress: bool = True) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be training the same key right now
         if (final / "config.json").exists():
             return final
-        torch.manual_seed(cfg.task.data_seed)
-        model = build_model(preset(cfg.model.preset, vocab_size=max(32, tokenizer.vocab_size)),
-                            dtype=torch.float32)
+        model = initial_model(setup)
         done = _train(model, setup, progress)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

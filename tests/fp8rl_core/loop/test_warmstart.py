@@ -133,3 +133,46 @@ def test_emulated_bf16_warm_start_emulates_every_bf16_product_and_shares_the_cac
         assert warm_start(resolve_setup(other, "cpu"), progress=False) == path
         assert not calls and (path / "config.json").stat().st_mtime_ns == stamp  # found, not retrained
     assert warmstart_key(_cfg(tmp_path, "model.dtype=fp32", *WS_TINY)) != path.name  # the dtype is in the key
+
+
+def test_the_warm_start_is_the_plain_loop_bit_for_bit(tmp_path):
+    """The cached checkpoint equals, bit for bit, a loop written out with torch alone (same seed, batches,
+    AdamW, warmup + cosine schedule, clip 1.0, BF16 autocast on this CPU's BF16 path): the parts that
+    benchmarks/warmstart.py times (initial_model, sft_optimizer, sft_step) are the warm start, and splitting
+    them out changed no bit. Same machine on both sides, so no CPU kind is assumed."""
+    import math
+    import random
+
+    from safetensors.torch import load_file
+
+    from fp8rl_core.model import bf16, build_model
+    from fp8rl_core.model.config import preset
+
+    cfg = _cfg(tmp_path, "warmstart.steps=6", "warmstart.target_accuracy=null", "warmstart.batch_size=8")
+    setup = resolve_setup(cfg, "cpu")
+    saved = load_file(str(warm_start(setup, progress=False) / "model.safetensors"))
+
+    ws = cfg.warmstart
+    torch.manual_seed(cfg.task.data_seed)
+    model = build_model(preset("tiny", vocab_size=max(32, setup.tokenizer.vocab_size)), dtype=torch.float32)
+    if setup.warmstart_upcast_bf16:
+        bf16.upcast_bf16_matmuls(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=0.0)
+    warmup = max(1, ws.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.55 + 0.45 * math.cos(math.pi * min(s / ws.steps, 1.0))))
+    rng = random.Random(cfg.task.data_seed + 1)
+    for _ in range(ws.steps):
+        ids, mask = sft_batch(setup.task.warmstart_sample(rng, ws.batch_size), setup.tokenizer, setup.task)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1]).float()
+            loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    mine = model.state_dict()
+    assert saved.keys() <= mine.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, mine[name].to(tensor.dtype)), name
