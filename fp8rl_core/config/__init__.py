@@ -37,6 +37,7 @@ from fp8rl_core.config.run_config import (
     hashed_dict,
     load_run_config,
     recipe_of,
+    resolve_bf16_path,
     run_config_from_dict,
     run_config_hash,
     strip_unhashed,
@@ -49,6 +50,7 @@ __all__ = [
     "EngineSpec",
     "Fp8Spec", "ISVariant", "LossSpec", "MegatronSpec", "MismatchGuardSpec", "ModelSpec", "OptimSpec", "ParallelSpec",
     "RolloutSpec", "RunConfig", "TaskSpec", "TrackingSpec", "TrainSpec", "VllmSpec", "WarmStartSpec", "apply_overrides",
-    "hashed_dict", "load_run_config", "recipe_of", "RANGES", "RECIPES", "Quantization", "Recipe", "resolve_recipe",
+    "hashed_dict", "load_run_config", "recipe_of", "RANGES", "resolve_bf16_path", "RECIPES", "Quantization", "Recipe",
+    "resolve_recipe",
     "run_config_from_dict", "run_config_hash", "strip_unhashed", "val_batch_rows",
 ]

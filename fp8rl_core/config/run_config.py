@@ -748,6 +748,15 @@ def val_batch_rows(cfg: RunConfig) -> int:
     return min(rows, limit) if limit else rows
 
 
+def resolve_bf16_path(cfg: RunConfig, device: str) -> str:
+    """The BF16 path that runs on `device`: "native" or "emulated" (model.bf16_compute resolved on this
+    machine; fp8rl_core/model/bf16.py), or "none" when model.dtype is fp32 (nothing runs in BF16). The one
+    reading of the knob: the run's builder and the memory plan call it."""
+    from fp8rl_core.model.bf16 import bf16_path  # torch: not at import (the sweep engine parses configs)
+
+    return bf16_path(cfg.model.dtype, cfg.model.bf16_compute, device)
+
+
 def recipe_of(cfg: RunConfig) -> Recipe:
     """The run's recipe resolved once (fp8rl_core/config/recipe.py): what the engines are handed."""
     return resolve_recipe(cfg.recipe, cfg.fp8)

@@ -50,7 +50,7 @@ L layers, hidden h, intermediate I, q_dim = heads x head_dim, kv_dim = kv_heads 
       parallel.grad_reduce step (W > 1): gradients accumulate unsharded over the micro-batches, so the
           training phase holds all of them beside the saved tensors: grads = 4 N, not max(4 N / W, saved)
   T = prompt + new, b_mb = micro_batch_size (0: all rows_r), b_lp = logprob_batch_size (0: all rows_r).
-  Emulated BF16 (Layout.bf16_upcast: model.bf16_compute resolved to `emulated`, a CPU without BF16 dot
+  Emulated BF16 (Layout.bf16_upcast: the run's BF16 path resolved to `emulated`, a CPU without BF16 dot
   products; model/bf16.py): every BF16 product runs in FP32 on upcast copies of its BF16 operands, which
   costs FP32 bytes where the native path holds BF16 ones:
     upcast_fp32  4 (N_lin + V h) resident per native engine holding BF16 block linears (the generation
@@ -134,10 +134,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fp8rl_core.config import RunConfig, recipe_of, val_batch_rows
+from fp8rl_core.config import RunConfig, recipe_of, resolve_bf16_path, val_batch_rows
 from fp8rl_core.fp8 import kv_bytes
 from fp8rl_core.fp8.formats import FORMATS
-from fp8rl_core.model.bf16 import bf16_path
 from fp8rl_core.model.config import PRESETS, ModelConfig
 from fp8rl_core.model.llama import CausalLM
 
@@ -176,7 +175,7 @@ class Layout:
     # recipes (resident); vLLM, every recipe (the native evaluator, its own validation phase)
     bf16_engine: bool = False
     device: str = "cpu"  # "cpu" or "cuda": attention runs in FP32 on the CPU (layers.causal_attention)
-    bf16_upcast: bool = False  # emulated BF16 (model.bf16_compute resolved to emulated): FP32 upcast copies
+    bf16_upcast: bool = False  # emulated BF16 (config.resolve_bf16_path: emulated): FP32 upcast copies
     generation_batch_size: int = 0  # sequences decoded at once (0: all of a rank's rows, as the native engine)
     # fp8.kv_cache / fp8.kv_scale of the native generation engine (fp8/kv_bytes.py; vLLM's stays auto)
     kv_cache: str = "auto"
@@ -613,7 +612,7 @@ def check(plan: MemoryPlan, mem_bytes_per_rank: int) -> str | None:
 def layout_for_run(cfg: RunConfig, world_size: int, prompt_tokens: int | None = None, device: str | None = None
                    ) -> Layout:
     """The Layout of a RunConfig (fp8rl_core/config/run_config.py) at `world_size` ranks. prompt_tokens: the
-    longest prompt; None: allowed_prompt_tokens(cfg). The BF16 path (bf16_upcast) is model.bf16_compute as
+    longest prompt; None: allowed_prompt_tokens(cfg). The BF16 path (bf16_upcast) is the config's as
     resolved for `device` on the machine that plans (`auto` reads this CPU's flags)."""
     if prompt_tokens is None:
         prompt_tokens = allowed_prompt_tokens(cfg)
@@ -639,7 +638,7 @@ def layout_for_run(cfg: RunConfig, world_size: int, prompt_tokens: int | None = 
                   fp8_generation=recipe.fp8_generation,
                   bf16_engine=recipe.fp8_generation or cfg.engines.generation == "vllm",
                   fp8_format=(recipe.generation or recipe.training).format if recipe.fp8_generation else "block128",
-                  device=device, bf16_upcast=bf16_path(cfg.model.dtype, cfg.model.bf16_compute, device) == "emulated",
+                  device=device, bf16_upcast=resolve_bf16_path(cfg, device) == "emulated",
                   kv_cache=recipe.kv_cache, kv_scale=recipe.kv_scale,
                   paged_kv=cfg.engines.generation == "vllm", val_prompts=cfg.task.val_size,
                   val_samples=cfg.train.val_samples, val_batch=val_batch_rows(cfg))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fp8rl_core.config import RunConfig, recipe_of, val_batch_rows
+from fp8rl_core.config import RunConfig, recipe_of, resolve_bf16_path, val_batch_rows
 from fp8rl_core.config.recipe import Recipe
 from fp8rl_core.config.schema import ConfigError
 from fp8rl_core.distributed import init_distributed
@@ -58,12 +58,6 @@ def resolve_device(cfg: RunConfig) -> str:
 
 def compute_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-
-
-def resolve_bf16_path(cfg: RunConfig, device: str) -> str:
-    """The BF16 path that runs on `device`: "native" or "emulated" (model.bf16_compute resolved on this
-    machine; fp8rl_core/model/bf16.py), or "none" when model.dtype is fp32 (nothing runs in BF16)."""
-    return bf16.bf16_path(cfg.model.dtype, cfg.model.bf16_compute, device)
 
 
 def bf16_path_note(cfg: RunConfig) -> str:
