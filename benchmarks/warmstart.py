@@ -75,8 +75,6 @@ def batches(setup: RunSetup, n: int) -> tuple[list[tuple[torch.Tensor, torch.Ten
 def trainer(setup: RunSetup):
     """The warm start's model, optimizer, schedule and autocast, as warm_start builds them."""
     model = ws_mod.initial_model(setup)
-    if setup.warmstart_upcast_bf16:
-        bf16.upcast_bf16_matmuls(model)
     opt, sched = ws_mod.sft_optimizer(model, setup.cfg.warmstart)
     return model, opt, sched, ws_mod.sft_autocast(setup)
 

@@ -108,10 +108,15 @@ def sft_autocast(setup: RunSetup) -> Any:
 
 
 def initial_model(setup: RunSetup) -> torch.nn.Module:
-    """The warm start's starting point: the preset in FP32, initialized from the task's data seed."""
+    """The warm start's starting point: the preset in FP32, initialized from the task's data seed, its BF16
+    products emulated where the warm start's BF16 path (resolved on the CPU, where it trains) says so (same
+    parameters and state_dict: the checkpoint is unchanged)."""
     torch.manual_seed(setup.cfg.task.data_seed)
-    return build_model(preset(setup.cfg.model.preset, vocab_size=max(32, setup.tokenizer.vocab_size)),
-                       dtype=torch.float32)
+    model = build_model(preset(setup.cfg.model.preset, vocab_size=max(32, setup.tokenizer.vocab_size)),
+                        dtype=torch.float32)
+    if setup.warmstart_upcast_bf16:
+        bf16.upcast_bf16_matmuls(model)
+    return model
 
 
 def _train(model: torch.nn.Module, setup: RunSetup, progress: bool) -> dict[str, float]:
@@ -125,8 +130,6 @@ def _train(model: torch.nn.Module, setup: RunSetup, progress: bool) -> dict[str,
     done = {"steps": 0, "final_loss": float("nan"), "dev_accuracy": float("nan")}
     if ws.steps == 0:  # RL straight from the initialization (e.g. for benchmarks)
         return done
-    if setup.warmstart_upcast_bf16:  # model.bf16_compute as resolved on the CPU, where the warm start runs
-        bf16.upcast_bf16_matmuls(model)  # same parameters and state_dict: the checkpoint is unchanged
     rng = random.Random(cfg.task.data_seed + 1)
     dev = dev_examples(cfg, task) if ws.target_accuracy is not None else []
     opt, sched = sft_optimizer(model, ws)
