@@ -79,12 +79,11 @@ def trainer(setup: RunSetup):
     return model, opt, sched, ws_mod.sft_autocast(setup)
 
 
-def step_seconds(setup: RunSetup, data: list, warmup: int, gemm_dtype: torch.dtype
+def step_seconds(setup: RunSetup, data: list, warmup: int, tokens: int, gemm_dtype: torch.dtype
                  ) -> tuple[float, float, dict[str, float], torch.nn.Module]:
     """Median seconds of a step after `warmup` steps; best seconds of the step's GEMMs alone (gemm_pass), one pass
     after each timed step, so that both see the same load on a shared machine; the profiled shares of the parts."""
     model, opt, sched, autocast = trainer(setup)
-    tokens = data[0][0].shape[0] * (int(statistics.median(ids.shape[1] for ids, _ in data)) - 1)
     floor_pass = gemm_pass(model, tokens, gemm_dtype)
     floor_pass()  # the GEMM library's first calls
     times, floors = [], []
@@ -151,9 +150,9 @@ def path_rows(path: str, args: argparse.Namespace) -> list[tuple]:
     setup = setup_for(path, args.set)
     name, ws = path_name(setup), setup.cfg.warmstart
     data, batch_s = batches(setup, args.warmup + args.steps)
-    step_s, floor, part, model = step_seconds(setup, data, args.warmup,
+    tokens = ws.batch_size * (int(statistics.median(ids.shape[1] for ids, _ in data)) - 1)  # M of the GEMMs
+    step_s, floor, part, model = step_seconds(setup, data, args.warmup, tokens,
                                               torch.bfloat16 if name == "native" else torch.float32)
-    tokens = ws.batch_size * (int(statistics.median(ids.shape[1] for ids, _ in data)) - 1)
     label = f"[{path}: {name}]" if path == "auto" else f"[{name}]"
     rows = [(f"warm-start step {label}", step_s, 1.0,
              f"batch {ws.batch_size}, {tokens} tokens, median of {args.steps}")]
